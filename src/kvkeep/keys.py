@@ -1,0 +1,109 @@
+"""Block keys: a namespace fingerprint and chained hashing over token ids.
+
+A block's key is ``sha256(parent_key || token_ids as uint32 little-endian)``. The chain starts
+at the namespace's root key, so two namespaces (models, dtypes, layouts, TP ranks, salts,
+format versions) never share a key. Nothing here depends on Python's ``hash()``, so keys are
+identical across processes, restarts and ``PYTHONHASHSEED`` values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import NewType
+
+import numpy as np
+
+BlockKey = NewType("BlockKey", bytes)
+"""32 bytes: sha256 of (parent key, the block's token ids)."""
+
+KEY_BYTES = 32
+FORMAT_VERSION = 1
+_ROOT_TAG = b"kvkeep/root/v1\x00"
+_MAX_TOKEN_ID = 2**32 - 1
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything that makes the bytes of a KV block mean something.
+
+    Two engines may share a block only if all of these fields are equal. ``model_digest`` is a
+    digest of the model's config (and weights identity); ``layout`` names the physical KV layout
+    (e.g. ``"LBHNC"``); ``backend`` names the attention backend and, on CPU, the instruction set
+    that packs pages.
+    """
+
+    model_digest: str
+    kv_dtype: str
+    layout: str
+    backend: str
+    block_size: int
+    tp_rank: int = 0
+    tp_size: int = 1
+    cache_salt: str | None = None
+    format_version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.tp_size <= 0 or not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"need 0 <= tp_rank < tp_size, got {self.tp_rank}/{self.tp_size}")
+        if not self.model_digest:
+            raise ValueError("model_digest must not be empty")
+
+    def canonical(self) -> bytes:
+        """The canonical encoding: sorted-key compact JSON of every field (UTF-8)."""
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+
+    def digest(self) -> bytes:
+        """32-byte sha256 of :meth:`canonical`; stable across processes and versions."""
+        return hashlib.sha256(self.canonical()).digest()
+
+    def root_key(self) -> BlockKey:
+        """The parent key of a prompt's first block in this namespace."""
+        return BlockKey(hashlib.sha256(_ROOT_TAG + self.digest()).digest())
+
+
+def pack_tokens(token_ids: Sequence[int]) -> bytes:
+    """Token ids as uint32 little-endian bytes. Raises ValueError on ids outside [0, 2**32)."""
+    arr = np.asarray(token_ids, dtype=np.int64)
+    if arr.size and (arr.min() < 0 or arr.max() > _MAX_TOKEN_ID):
+        raise ValueError("token ids must lie in [0, 2**32)")
+    return arr.astype("<u4").tobytes()
+
+
+def chain_keys(
+    root: Namespace | BlockKey,
+    token_ids: Sequence[int],
+    block_size: int,
+    parent: BlockKey | None = None,
+) -> list[BlockKey]:
+    """Keys of the full blocks of ``token_ids``; a trailing partial block gets no key.
+
+    ``root`` is a namespace (its root key starts the chain) or a root key already computed.
+    Pass ``parent`` (the key of the block just before ``token_ids[0]``) to extend an existing
+    chain incrementally, e.g. during decode; ``token_ids`` must then start on a block boundary.
+    Pure function: same inputs give the same keys in every process.
+    """
+    if isinstance(root, Namespace) and root.block_size != block_size:
+        raise ValueError(f"block_size {block_size} != namespace block_size {root.block_size}")
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    prev = parent if parent is not None else _root_of(root)
+    packed = pack_tokens(token_ids)
+    stride = 4 * block_size
+    keys: list[BlockKey] = []
+    for start in range(0, len(packed) - stride + 1, stride):
+        prev = BlockKey(hashlib.sha256(prev + packed[start : start + stride]).digest())
+        keys.append(prev)
+    return keys
+
+
+def _root_of(root: Namespace | BlockKey) -> BlockKey:
+    if isinstance(root, Namespace):
+        return root.root_key()
+    if len(root) != KEY_BYTES:
+        raise ValueError(f"a root key is {KEY_BYTES} bytes, got {len(root)}")
+    return root
