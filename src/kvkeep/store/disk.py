@@ -1,0 +1,378 @@
+"""The disk tier: append-only, checksummed segment files with a sealed index per segment.
+
+Directory layout::
+
+    DIR/seg-00000001.log   records, appended; the newest segment is the active one
+    DIR/seg-00000001.idx   written (tmp + rename) when the segment is sealed: the index of
+                           every record in it, checksummed, so start-up never reads the .log
+
+A record is ``header || payload``; the header (88 bytes, little-endian) is::
+
+    magic "KVKR" | version u16 | kind u16 (0 data, 1 tombstone) | length u64 |
+    key 64 bytes | payload crc32 u32 | header crc32 u32 (over the 84 bytes before it)
+
+Crash safety: a record is one ``pwritev`` at the end of the active segment. After SIGKILL the
+active segment may end in a torn record; the start-up scan stops at the first header that does
+not check out or runs past the end of the file, truncates the file there and counts it. A
+payload is checked against its CRC on every load; a mismatch is a miss, counted, and the key
+is dropped from the index and tombstoned, so the record is never returned.
+
+Capacity: whole segments are deleted oldest first (FIFO at segment granularity) until the new
+record fits. RAM sits above this tier, so recency is already served there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from kvkeep.store.base import Found, StoreKey, TierCounters, TierStats
+
+MAGIC = b"KVKR"
+INDEX_MAGIC = b"KVKI"
+VERSION = 1
+KIND_DATA, KIND_TOMBSTONE = 0, 1
+_HEADER = struct.Struct("<4sHHQ64sI")
+HEADER_BYTES = _HEADER.size + 4
+_INDEX_HEADER = struct.Struct("<4sHHQQI")  # magic, version, pad, count, segment size, body crc
+_INDEX_DTYPE = np.dtype(
+    [("key", "u1", (64,)), ("offset", "<u8"), ("length", "<u8"), ("crc", "<u4"), ("kind", "<u4")]
+)
+_MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class DiskConfig:
+    """A disk tier in ``directory`` holding at most ``capacity_bytes`` of segment files.
+
+    ``segment_bytes`` 0 means capacity / 64, clamped to [1 MiB, 1 GiB]: small enough that FIFO
+    eviction frees little at a time, large enough to keep the open file count low.
+    """
+
+    directory: str
+    capacity_bytes: int
+    segment_bytes: int = 0
+    fsync_on_seal: bool = True
+
+    @property
+    def effective_segment_bytes(self) -> int:
+        if self.segment_bytes:
+            return self.segment_bytes
+        return min(max(self.capacity_bytes // 64, _MiB), 1024 * _MiB)
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes < 2 * self.effective_segment_bytes:
+            raise ValueError(
+                f"disk capacity {self.capacity_bytes} must hold two segments of "
+                f"{self.effective_segment_bytes} bytes; raise --disk"
+            )
+
+
+class Record(NamedTuple):
+    """One record of a segment, as found in its index or by a scan."""
+
+    key: StoreKey
+    offset: int  # of the payload
+    length: int
+    crc: int
+    kind: int
+
+
+class _Loc(NamedTuple):
+    segment: int
+    offset: int
+    length: int
+    crc: int
+
+
+@dataclass
+class _Segment:
+    id: int
+    fd: int
+    size: int = 0
+    records: list[Record] = field(default_factory=list)
+    sealed: bool = False
+
+
+def pack_header(kind: int, key: bytes, length: int, crc: int) -> bytes:
+    head = _HEADER.pack(MAGIC, VERSION, kind, length, key, crc)
+    return head + struct.pack("<I", zlib.crc32(head))
+
+
+def unpack_header(raw: bytes, payload_offset: int) -> Record | None:
+    """The record a header describes, or None if it is not a valid header."""
+    if len(raw) != HEADER_BYTES or zlib.crc32(raw[:-4]) != struct.unpack("<I", raw[-4:])[0]:
+        return None
+    magic, version, kind, length, key, crc = _HEADER.unpack(raw[:-4])
+    if magic != MAGIC or version != VERSION or kind not in (KIND_DATA, KIND_TOMBSTONE):
+        return None
+    return Record(StoreKey(key), payload_offset, length, crc, kind)
+
+
+class DiskTier:
+    """The persistent tier. Thread-safe; reads run outside the lock."""
+
+    name = "disk"
+
+    def __init__(self, config: DiskConfig) -> None:
+        self.config = config
+        self.dir = Path(config.directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._index: dict[StoreKey, _Loc] = {}
+        self._segments: dict[int, _Segment] = {}
+        self._counters = TierCounters()
+        self._used = 0
+        started = time.perf_counter()
+        self._rebuild()
+        self.rebuild_seconds = time.perf_counter() - started
+
+    # --- Tier protocol ---------------------------------------------------------------------
+
+    def contains(self, key: StoreKey) -> bool:
+        return key in self._index
+
+    def get(self, key: StoreKey, out: memoryview) -> Found | None:
+        with self._lock:
+            loc = self._index.get(key)
+            fd = self._segments[loc.segment].fd if loc is not None else -1
+        if loc is None or loc.length > len(out):
+            self._counters.misses += 1
+            return None
+        target = out[: loc.length]
+        try:
+            complete = os.preadv(fd, [target], loc.offset) == loc.length
+        except OSError:  # the segment was evicted while we read it
+            complete = False
+        if not complete or zlib.crc32(target) != loc.crc:
+            self._drop_corrupt(key, loc)
+            return None
+        self._counters.hits += 1
+        self._counters.bytes_out += loc.length
+        return Found(loc.length, loc.crc)
+
+    def put(self, key: StoreKey, data: memoryview, checksum: int) -> bool:
+        record_bytes = HEADER_BYTES + len(data)
+        with self._lock:
+            if key in self._index:
+                return False
+            if record_bytes > self.config.effective_segment_bytes:
+                self._counters.rejected_puts += 1
+                return False
+            self._make_room(record_bytes)
+            self._append(KIND_DATA, key, data, checksum)
+            self._counters.bytes_in += len(data)
+            return True
+
+    def evict(self, key: StoreKey) -> bool:
+        with self._lock:
+            if self._index.pop(key, None) is None:
+                return False
+            self._append(KIND_TOMBSTONE, key, b"", 0)
+            self._counters.evictions += 1
+            return True
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            return TierStats(
+                self.name,
+                self._counters.as_dict(),
+                len(self._index),
+                self._used,
+                self.config.capacity_bytes,
+            )
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Make every record written so far durable (fsync the active segment)."""
+        with self._lock:
+            os.fsync(self._active.fd)
+
+    def close(self) -> None:
+        """Seal the active segment (so the next start reads only indexes) and close files."""
+        with self._lock:
+            if self._active.size:
+                self._seal(self._active)
+            for segment in self._segments.values():
+                os.close(segment.fd)
+            self._segments.clear()
+
+    # --- writing (lock held) ---------------------------------------------------------------
+
+    @property
+    def _active(self) -> _Segment:
+        return self._segments[max(self._segments)]
+
+    def _append(self, kind: int, key: StoreKey, data: bytes | memoryview, crc: int) -> None:
+        segment = self._active
+        header = pack_header(kind, key, len(data), crc)
+        os.pwritev(segment.fd, [header, data], segment.size)
+        record = Record(key, segment.size + HEADER_BYTES, len(data), crc, kind)
+        segment.records.append(record)
+        segment.size += HEADER_BYTES + len(data)
+        self._used += HEADER_BYTES + len(data)
+        if kind == KIND_DATA:
+            self._index[key] = _Loc(segment.id, record.offset, record.length, crc)
+        if segment.size >= self.config.effective_segment_bytes:
+            self._seal(segment)
+            self._open_segment(segment.id + 1)
+
+    def _make_room(self, record_bytes: int) -> None:
+        while self._used + record_bytes > self.config.capacity_bytes:
+            oldest = self._segments[min(self._segments)]
+            if not oldest.sealed:
+                self._seal(oldest)
+                self._open_segment(oldest.id + 1)
+            self._delete_segment(oldest)
+
+    def _seal(self, segment: _Segment) -> None:
+        if self.config.fsync_on_seal:
+            os.fsync(segment.fd)
+        write_index(self._path(segment.id, "idx"), segment.records, segment.size)
+        segment.sealed = True
+
+    def _open_segment(self, segment_id: int) -> _Segment:
+        fd = os.open(self._path(segment_id, "log"), os.O_RDWR | os.O_CREAT, 0o600)
+        segment = _Segment(segment_id, fd, os.fstat(fd).st_size)
+        self._segments[segment_id] = segment
+        return segment
+
+    def _delete_segment(self, segment: _Segment) -> None:
+        for record in segment.records:
+            loc = self._index.get(record.key)
+            if loc is not None and loc.segment == segment.id:
+                del self._index[record.key]
+                self._counters.evictions += 1
+        del self._segments[segment.id]
+        self._used -= segment.size
+        self._path(segment.id, "idx").unlink(missing_ok=True)
+        self._path(segment.id, "log").unlink(missing_ok=True)
+        os.close(segment.fd)
+
+    def _drop_corrupt(self, key: StoreKey, loc: _Loc) -> None:
+        with self._lock:
+            self._counters.misses += 1
+            self._counters.checksum_failures += 1
+            if self._index.get(key) == loc:
+                del self._index[key]
+                if self._segments:
+                    self._append(KIND_TOMBSTONE, key, b"", 0)
+
+    def _path(self, segment_id: int, suffix: str) -> Path:
+        return self.dir / f"seg-{segment_id:08d}.{suffix}"
+
+    # --- start-up --------------------------------------------------------------------------
+
+    def _rebuild(self) -> None:
+        """Replay every segment, oldest first; later records and tombstones win."""
+        ids = sorted(int(p.stem.split("-")[1]) for p in self.dir.glob("seg-*.log"))
+        for segment_id in ids:
+            segment = self._open_segment(segment_id)
+            self._load_segment(segment, is_last=segment_id == ids[-1])
+        if not ids or self._segments[ids[-1]].sealed:
+            self._open_segment(ids[-1] + 1 if ids else 1)
+
+    def _load_segment(self, segment: _Segment, is_last: bool) -> None:
+        records = read_index(self._path(segment.id, "idx"), segment.size)
+        if records is None:
+            records = self._scan(segment)
+            if not is_last:
+                write_index(self._path(segment.id, "idx"), records, segment.size)
+        segment.records = records
+        segment.sealed = self._path(segment.id, "idx").exists()
+        self._used += segment.size
+        for record in records:
+            self._replay(segment.id, record)
+
+    def _replay(self, segment_id: int, record: Record) -> None:
+        if record.kind == KIND_TOMBSTONE:
+            self._index.pop(record.key, None)
+        else:
+            self._index[record.key] = _Loc(segment_id, record.offset, record.length, record.crc)
+
+    def _scan(self, segment: _Segment) -> list[Record]:
+        """Read headers front to back; truncate the file at the first torn or bad record."""
+        records: list[Record] = []
+        pos = 0
+        while pos + HEADER_BYTES <= segment.size:
+            record = unpack_header(os.pread(segment.fd, HEADER_BYTES, pos), pos + HEADER_BYTES)
+            if record is None or record.offset + record.length > segment.size:
+                break
+            records.append(record)
+            pos = record.offset + record.length
+        if pos != segment.size:
+            self._counters.checksum_failures += 1
+            os.ftruncate(segment.fd, pos)
+            segment.size = pos
+        return records
+
+
+def write_index(path: Path, records: list[Record], segment_size: int) -> None:
+    """Write a segment's index atomically (tmp + fsync + rename)."""
+    table = np.zeros(len(records), dtype=_INDEX_DTYPE)
+    if records:
+        table["key"] = np.frombuffer(b"".join(r.key for r in records), np.uint8).reshape(-1, 64)
+        table["offset"] = [r.offset for r in records]
+        table["length"] = [r.length for r in records]
+        table["crc"] = [r.crc for r in records]
+        table["kind"] = [r.kind for r in records]
+    body = table.tobytes()
+    header = _INDEX_HEADER.pack(
+        INDEX_MAGIC, VERSION, 0, len(records), segment_size, zlib.crc32(body)
+    )
+    tmp = path.with_suffix(".idx.tmp")
+    with open(tmp, "wb") as f:
+        f.write(header + body)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_index(path: Path, segment_size: int) -> list[Record] | None:
+    """A segment's records from its index; None if missing, corrupt or not for this size."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    if len(raw) < _INDEX_HEADER.size:
+        return None
+    magic, version, _, count, size, crc = _INDEX_HEADER.unpack_from(raw)
+    body = raw[_INDEX_HEADER.size :]
+    valid = magic == INDEX_MAGIC and version == VERSION and size == segment_size
+    if not valid or len(body) != count * _INDEX_DTYPE.itemsize or zlib.crc32(body) != crc:
+        return None
+    table = np.frombuffer(body, dtype=_INDEX_DTYPE)
+    keys = table["key"].tobytes()
+    columns = zip(
+        table["offset"].tolist(),
+        table["length"].tolist(),
+        table["crc"].tolist(),
+        table["kind"].tolist(),
+        strict=True,
+    )
+    return [
+        Record(StoreKey(keys[i * 64 : i * 64 + 64]), off, length, crc, kind)
+        for i, (off, length, crc, kind) in enumerate(columns)
+    ]
+
+
+def drop_page_cache(directory: str) -> None:
+    """Ask the kernel to forget cached pages of every segment (for cold-read benchmarks)."""
+    for path in Path(directory).glob("seg-*.log"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)

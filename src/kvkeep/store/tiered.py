@@ -1,0 +1,183 @@
+"""The tiered store: the RAM arena on top of an ordered list of lower tiers.
+
+- ``lookup`` returns the longest contiguous prefix of keys present in any tier.
+- ``acquire`` pins a block in RAM, promoting it from the first lower tier that has it.
+- ``commit`` makes a block visible in RAM and queues it for write-through to every lower
+  tier. The queue is bounded: when it is full the write is dropped and counted, and the
+  caller never blocks. The writer thread pins the slot while it copies it out.
+"""
+
+from __future__ import annotations
+
+import enum
+import queue
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from kvkeep.store.base import StoreKey, Tier, checksum
+from kvkeep.store.memory import ArenaTier, Pinned
+
+
+@dataclass(frozen=True)
+class WriteBehindConfig:
+    """``queue_depth``: blocks waiting for the lower tiers before writes are dropped."""
+
+    queue_depth: int = 256
+
+    def __post_init__(self) -> None:
+        if self.queue_depth <= 0:
+            raise ValueError(f"queue_depth must be positive, got {self.queue_depth}")
+
+
+class Lookup(NamedTuple):
+    """``num_present`` leading keys are stored; ``tiers[i]`` is the index of key i's tier."""
+
+    num_present: int
+    tiers: tuple[int, ...]
+
+
+class ReserveStatus(enum.Enum):
+    RESERVED = "reserved"
+    PRESENT = "present"  # already stored (or being written): nothing to do
+    FULL = "full"  # no slot could be freed: every candidate is pinned
+
+
+class Reservation(NamedTuple):
+    status: ReserveStatus
+    offset: int = -1
+
+
+class _Write(NamedTuple):
+    key: StoreKey
+    offset: int
+    length: int
+    crc: int
+
+
+class TieredStore:
+    """Thread-safe. ``tiers[0]`` is the arena; blocks found in ``tiers[i>0]`` move up."""
+
+    def __init__(self, ram: ArenaTier, lower: Sequence[Tier], config: WriteBehindConfig) -> None:
+        self.ram = ram
+        self.lower = list(lower)
+        self.tiers: list[Tier] = [ram, *self.lower]
+        self._queue: queue.Queue[_Write | None] = queue.Queue(config.queue_depth)
+        self.dropped_writes = 0
+        self.write_errors = 0
+        self._writer = threading.Thread(target=self._write_loop, name="kvkeep-writer", daemon=True)
+        self._writer.start()
+
+    def lookup(self, keys: Sequence[StoreKey]) -> Lookup:
+        """Longest contiguous present prefix across tiers. Read-only; never blocks on I/O."""
+        tiers: list[int] = []
+        for key in keys:
+            level = next((i for i, t in enumerate(self.tiers) if t.contains(key)), -1)
+            if level < 0:
+                break
+            tiers.append(level)
+        return Lookup(len(tiers), tuple(tiers))
+
+    def reserve(self, key: StoreKey, length: int) -> Reservation:
+        """A RAM slot to write ``key`` into, unless some tier already holds it."""
+        if any(t.contains(key) for t in self.lower):
+            return Reservation(ReserveStatus.PRESENT)
+        offset = self.ram.reserve(key, length)
+        if offset is not None:
+            return Reservation(ReserveStatus.RESERVED, offset)
+        if self.ram.holds(key):
+            return Reservation(ReserveStatus.PRESENT)
+        return Reservation(ReserveStatus.FULL)
+
+    def commit(self, offset: int, crc: int) -> bool:
+        """Publish a reserved slot and queue it for the lower tiers; never blocks."""
+        # The writer's pin is taken atomically with the commit so the slot cannot be evicted
+        # before the write-through copies it out.
+        if not self.ram.commit(offset, crc, keep_pin=bool(self.lower)):
+            return False
+        info = self.ram.committed(offset)
+        if self.lower and info is not None:
+            self._enqueue(_Write(info.key, offset, info.length, crc))
+        return True
+
+    def acquire(self, key: StoreKey, length: int) -> Pinned | None:
+        """Pin ``key`` in RAM, promoting it from a lower tier; None on a miss.
+
+        Blocks on disk I/O when promoting: call it off the event loop in that case. A lower
+        tier's checksum failure is a miss. The caller must ``release`` the returned offset.
+        """
+        pinned = self.ram.pin(key)
+        if pinned is not None:
+            return pinned
+        for tier in self.lower:
+            if tier.contains(key):
+                return self._promote(tier, key, length)
+        return None
+
+    def release(self, offset: int) -> None:
+        self.ram.unpin(offset)
+
+    def flush(self) -> None:
+        """Block until every queued write has reached the lower tiers."""
+        self._queue.join()
+
+    def close(self) -> None:
+        """Flush, stop the writer, close the lower tiers, remove the arena."""
+        self.flush()
+        self._queue.put(None)
+        self._writer.join()
+        for tier in self.lower:
+            close = getattr(tier, "close", None)
+            if close is not None:
+                close()
+        self.ram.close()
+
+    def stats(self) -> dict[str, object]:
+        """Per-tier counters and occupancy plus write-behind state; a snapshot."""
+        return {
+            "tiers": {t.name: t.stats().as_dict() for t in self.tiers},
+            "dropped_writes": self.dropped_writes,
+            "write_errors": self.write_errors,
+            "queue_depth": self._queue.qsize(),
+        }
+
+    def _promote(self, tier: Tier, key: StoreKey, length: int) -> Pinned | None:
+        offset = self.ram.reserve(key, length)
+        if offset is None:
+            return self.ram.pin(key)  # another reader is promoting it, or RAM is all pinned
+        found = tier.get(key, self.ram.view(offset, length))
+        if found is None or found.length != length:
+            self.ram.abort(offset)
+            return None
+        self.ram.commit(offset, found.checksum, keep_pin=True)
+        return Pinned(offset, length, found.checksum)
+
+    def _enqueue(self, write: _Write) -> None:
+        try:
+            self._queue.put_nowait(write)
+        except queue.Full:
+            self.ram.unpin(write.offset)
+            self.dropped_writes += 1
+
+    def _write_loop(self) -> None:
+        while (write := self._queue.get()) is not None:
+            try:
+                self._write_through(write)
+            finally:
+                self.ram.unpin(write.offset)
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def _write_through(self, write: _Write) -> None:
+        data = self.ram.view(write.offset, write.length)
+        for tier in self.lower:
+            try:
+                tier.put(write.key, data, write.crc)
+            except OSError:
+                self.write_errors += 1
+
+
+def verify(data: memoryview, expected: int) -> bool:
+    """Whether ``data`` has the CRC-32 ``expected``."""
+    return checksum(data) == expected

@@ -1,0 +1,26 @@
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvkeep.store.memory import ArenaConfig, ArenaTier
+
+
+@pytest.fixture
+def make_arena() -> Iterator[object]:
+    made: list[ArenaTier] = []
+
+    def make(size: int, extent: int) -> ArenaTier:
+        path = f"/dev/shm/kvkeep-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        arena = ArenaTier(ArenaConfig(size, extent), path)
+        made.append(arena)
+        return arena
+
+    yield make
+    for arena in made:
+        if Path(arena.arena.path).exists():
+            arena.close()

@@ -1,0 +1,111 @@
+"""The disk tier: round-trip, rebuild, corruption, torn tails, bounded capacity."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from kvkeep.store.disk import HEADER_BYTES, DiskConfig, DiskTier
+
+from .helpers import crc, key, payload
+
+KiB = 1024
+SEG = 64 * KiB
+
+
+def make(tmp_path: Path, capacity: int = 16 * SEG) -> DiskTier:
+    return DiskTier(DiskConfig(str(tmp_path), capacity, segment_bytes=SEG, fsync_on_seal=False))
+
+
+def put(disk: DiskTier, i: int, length: int = 10 * KiB) -> bool:
+    return disk.put(key(i), memoryview(payload(i, length)), crc(i, length))
+
+
+def get(disk: DiskTier, i: int, length: int = 10 * KiB) -> bytes | None:
+    out = bytearray(length)
+    found = disk.get(key(i), memoryview(out))
+    return bytes(out) if found else None
+
+
+def test_round_trip_and_restart(tmp_path: Path) -> None:
+    disk = make(tmp_path)
+    for i in range(20):  # spans several sealed segments plus an active one
+        assert put(disk, i)
+    assert get(disk, 3) == payload(3, 10 * KiB)
+    disk.close()
+    reopened = make(tmp_path)
+    assert all(get(reopened, i) == payload(i, 10 * KiB) for i in range(20))
+    assert reopened.stats().counters["checksum_failures"] == 0
+
+
+def test_rebuild_without_close_scans_active_segment(tmp_path: Path) -> None:
+    disk = make(tmp_path)
+    for i in range(9):
+        put(disk, i)
+    disk.evict(key(4))
+    # no close(): like SIGKILL, the active segment has no index
+    reopened = make(tmp_path)
+    assert [reopened.contains(key(i)) for i in range(9)] == [i != 4 for i in range(9)]
+    assert get(reopened, 8) == payload(8, 10 * KiB)
+
+
+def test_corrupt_record_is_a_counted_miss_and_removed(tmp_path: Path) -> None:
+    disk = make(tmp_path)
+    put(disk, 1)
+    put(disk, 2)
+    segment = sorted(tmp_path.glob("seg-*.log"))[0]
+    with open(segment, "r+b") as f:  # flip one payload byte of record 1
+        f.seek(HEADER_BYTES + 100)
+        byte = f.read(1)
+        f.seek(HEADER_BYTES + 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert get(disk, 1) is None
+    assert disk.stats().counters["checksum_failures"] == 1
+    assert not disk.contains(key(1)) and get(disk, 2) == payload(2, 10 * KiB)
+    assert not make(tmp_path).contains(key(1)), "the removal survives a restart"
+
+
+def test_truncated_tail_is_cut_and_counted(tmp_path: Path) -> None:
+    disk = make(tmp_path)
+    for i in range(3):
+        put(disk, i)
+    segment = sorted(tmp_path.glob("seg-*.log"))[-1]
+    os.truncate(segment, segment.stat().st_size - 1000)
+    reopened = make(tmp_path)
+    assert reopened.stats().counters["checksum_failures"] == 1
+    assert not reopened.contains(key(2)) and get(reopened, 1) == payload(1, 10 * KiB)
+    assert put(reopened, 5) and get(reopened, 5) == payload(5, 10 * KiB)
+    assert get(make(tmp_path), 5) is not None
+
+
+def test_truncated_sealed_segment_falls_back_to_scan(tmp_path: Path) -> None:
+    disk = make(tmp_path)
+    for i in range(12):
+        put(disk, i)
+    disk.close()
+    first = sorted(tmp_path.glob("seg-*.log"))[0]
+    os.truncate(first, first.stat().st_size - 1)
+    reopened = make(tmp_path)
+    assert reopened.stats().counters["checksum_failures"] == 1
+    returned = [i for i in range(12) if get(reopened, i) is not None]
+    assert all(get(reopened, i) == payload(i, 10 * KiB) for i in returned)
+    assert len(returned) == 11
+
+
+def test_capacity_is_bounded_oldest_segment_first(tmp_path: Path) -> None:
+    disk = make(tmp_path, capacity=4 * SEG)
+    for i in range(40):
+        put(disk, i)
+    stats = disk.stats()
+    assert stats.bytes_used <= 4 * SEG
+    assert not disk.contains(key(0)) and disk.contains(key(39))
+    present = [i for i in range(40) if disk.contains(key(i))]
+    assert present == list(range(present[0], 40)), "eviction is oldest first"
+    assert stats.counters["evictions"] == present[0]
+    assert sum(p.stat().st_size for p in tmp_path.glob("seg-*.log")) <= 4 * SEG
+
+
+def test_oversized_record_is_rejected(tmp_path: Path) -> None:
+    disk = make(tmp_path)
+    assert not put(disk, 1, SEG)
+    assert disk.stats().counters["rejected_puts"] == 1

@@ -1,0 +1,80 @@
+"""The RAM arena: bytes round-trip, exact LRU order, pins, size classes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvkeep.store.memory import ArenaTier
+
+from .helpers import crc, key, payload
+
+KiB = 1024
+EXTENT = 64 * KiB
+
+
+def put(arena: ArenaTier, i: int, length: int = 16 * KiB) -> bool:
+    return arena.put(key(i), memoryview(payload(i, length)), crc(i, length))
+
+
+def get(arena: ArenaTier, i: int, length: int = 16 * KiB) -> bytes | None:
+    out = bytearray(length)
+    found = arena.get(key(i), memoryview(out))
+    return bytes(out[: found.length]) if found else None
+
+
+def test_round_trip_and_checksum(make_arena: Any) -> None:
+    arena = make_arena(2 * EXTENT, EXTENT)
+    assert put(arena, 1)
+    assert get(arena, 1) == payload(1, 16 * KiB)
+    pinned = arena.pin(key(1))
+    assert pinned is not None and pinned.checksum == crc(1, 16 * KiB)
+    assert bytes(arena.view(pinned.offset, pinned.length)) == payload(1, 16 * KiB)
+    assert get(arena, 2) is None
+    assert not put(arena, 1), "a key is stored once"
+
+
+def test_lru_eviction_order_is_exact(make_arena: Any) -> None:
+    arena = make_arena(EXTENT, EXTENT)  # 4 slots of 16 KiB
+    for i in range(4):
+        assert put(arena, i)
+    assert get(arena, 0) is not None  # 0 becomes most recent: order 1, 2, 3, 0
+    for new, evicted in [(4, 1), (5, 2), (6, 3), (7, 0)]:
+        assert put(arena, new)
+        assert not arena.contains(key(evicted)), f"{evicted} should go when {new} comes"
+        assert arena.stats().counters["evictions"] == new - 3
+
+
+def test_pinned_slots_are_never_evicted(make_arena: Any) -> None:
+    arena = make_arena(EXTENT, EXTENT)
+    for i in range(4):
+        put(arena, i)
+    pins = [arena.pin(key(i)) for i in range(4)]
+    assert not put(arena, 9), "every slot pinned: the put is refused"
+    assert arena.stats().counters["rejected_puts"] == 1
+    arena.unpin(pins[2].offset)  # type: ignore[union-attr]
+    assert put(arena, 9)
+    assert not arena.contains(key(2)) and all(arena.contains(key(i)) for i in (0, 1, 3))
+
+
+def test_reserved_slot_is_invisible_until_commit(make_arena: Any) -> None:
+    arena = make_arena(EXTENT, EXTENT)
+    offset = arena.reserve(key(1), 100)
+    assert offset is not None and not arena.contains(key(1))
+    assert arena.reserve(key(1), 100) is None, "a key being written is not reserved twice"
+    arena.view(offset, 100)[:] = payload(1, 100)
+    assert arena.commit(offset, crc(1, 100))
+    assert get(arena, 1, 100) == payload(1, 100)
+    other = arena.reserve(key(2), 100)
+    arena.abort(other)
+    assert not arena.contains(key(2)) and arena.reserve(key(2), 100) is not None
+
+
+def test_size_classes_share_the_arena(make_arena: Any) -> None:
+    arena = make_arena(2 * EXTENT, EXTENT)
+    for i in range(8):  # class A fills both extents
+        put(arena, i, 16 * KiB)
+    assert put(arena, 100, 32 * KiB), "class B takes over an idle extent"
+    assert get(arena, 100, 32 * KiB) == payload(100, 32 * KiB)
+    survivors = [i for i in range(8) if arena.contains(key(i))]
+    assert len(survivors) == 4
+    assert not put(arena, 101, EXTENT + 1), "a block larger than an extent never fits"

@@ -1,0 +1,92 @@
+"""The tiered store: prefix lookup, promotion on load, bounded write-through."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from kvkeep.store.base import Found, StoreKey, TierCounters, TierStats
+from kvkeep.store.disk import DiskConfig, DiskTier
+from kvkeep.store.tiered import ReserveStatus, TieredStore, WriteBehindConfig
+
+from .helpers import crc, key, payload
+
+KiB = 1024
+EXTENT = 64 * KiB
+BLOCK = 16 * KiB
+
+
+def commit(store: TieredStore, i: int) -> None:
+    reservation = store.reserve(key(i), BLOCK)
+    assert reservation.status is ReserveStatus.RESERVED
+    store.ram.view(reservation.offset, BLOCK)[:] = payload(i, BLOCK)
+    assert store.commit(reservation.offset, crc(i, BLOCK))
+
+
+def make(make_arena: Any, tmp_path: Path, depth: int = 64) -> TieredStore:
+    disk = DiskTier(DiskConfig(str(tmp_path), 64 * EXTENT, segment_bytes=4 * EXTENT))
+    return TieredStore(make_arena(EXTENT, EXTENT), [disk], WriteBehindConfig(depth))
+
+
+def test_lookup_prefix_promotion_and_write_through(make_arena: Any, tmp_path: Path) -> None:
+    store = make(make_arena, tmp_path)
+    for i in range(6):  # RAM holds 4: blocks 0 and 1 live on disk only
+        commit(store, i)
+        store.flush()
+    assert store.lookup([key(i) for i in (0, 1, 2, 3, 4, 5, 99, 0)]) == (6, (1, 1, 0, 0, 0, 0))
+    assert store.lookup([key(99), key(0)]).num_present == 0
+    assert store.reserve(key(0), BLOCK).status is ReserveStatus.PRESENT
+    pinned = store.acquire(key(0), BLOCK)
+    assert pinned is not None and pinned.checksum == crc(0, BLOCK)
+    assert bytes(store.ram.view(pinned.offset, BLOCK)) == payload(0, BLOCK)
+    store.release(pinned.offset)
+    assert store.lookup([key(0)]).tiers == (0,), "a load promotes the block to RAM"
+    assert store.acquire(key(99), BLOCK) is None
+    disk_stats = store.stats()["tiers"]["disk"]  # type: ignore[index]
+    assert disk_stats["blocks"] == 6 and disk_stats["hits"] == 1
+    store.close()
+
+
+class SlowTier:
+    """A lower tier whose puts wait for a gate, to fill the write-behind queue."""
+
+    name = "slow"
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.stored: dict[StoreKey, bytes] = {}
+
+    def contains(self, key: StoreKey) -> bool:
+        return key in self.stored
+
+    def get(self, key: StoreKey, out: memoryview) -> Found | None:
+        return None
+
+    def put(self, key: StoreKey, data: memoryview, checksum: int) -> bool:
+        self.gate.wait()
+        self.stored[key] = bytes(data)
+        return True
+
+    def evict(self, key: StoreKey) -> bool:
+        return False
+
+    def stats(self) -> TierStats:
+        return TierStats(self.name, TierCounters().as_dict(), len(self.stored), 0, 0)
+
+
+def test_full_queue_drops_and_counts_without_blocking(make_arena: Any) -> None:
+    slow = SlowTier()
+    store = TieredStore(make_arena(4 * EXTENT, EXTENT), [slow], WriteBehindConfig(2))
+    commit(store, 0)
+    while store.stats()["queue_depth"]:  # wait until the writer holds block 0
+        time.sleep(0.001)
+    for i in range(1, 8):  # two queued, five dropped
+        commit(store, i)
+    assert store.dropped_writes == 5
+    slow.gate.set()
+    store.flush()
+    assert len(slow.stored) == 3 and store.stats()["queue_depth"] == 0
+    assert all(slow.stored[key(i)] == payload(i, BLOCK) for i in range(3))
+    store.close()
