@@ -1,0 +1,1 @@
+"""The kvkeep cache server, its wire protocol and its synchronous client."""

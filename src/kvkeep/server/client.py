@@ -1,0 +1,305 @@
+"""The synchronous client the connector uses inside vLLM processes.
+
+Contract: every call either returns within ``timeout_s`` or raises ``CacheUnavailable``;
+nothing here hangs or raises anything else for a server that is down, slow, restarted or
+answering with an error. Construction never touches the network: the connection is made on
+first use and re-made after a failure, no sooner than an exponential backoff allows (calls
+during the backoff fail at once, so a hot path falls back to recompute cheaply).
+
+Sessions are local values. The client announces a session's namespace with HELLO on each new
+connection before its first use, so a server restart is invisible except that slots handed
+out by the old instance become invalid (``slot_view`` refuses them) and the arena is re-mapped.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import threading
+import time
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import msgpack
+import numpy as np
+
+from kvkeep.keys import BlockKey, Namespace
+from kvkeep.server import protocol as p
+
+
+class CacheUnavailable(Exception):
+    """The cache could not serve this call: down, timed out, disconnected, or refused it."""
+
+
+class CacheRefused(CacheUnavailable):
+    """The server answered with an error; ``code`` is the protocol error code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Session:
+    """A namespace and its block size, as this client will announce them to the server."""
+
+    digest: bytes
+    block_bytes: int
+    label: str = ""
+
+
+class SlotRef(NamedTuple):
+    """An arena slot handed out by ``instance``: ``length`` bytes at ``offset``."""
+
+    key: BlockKey
+    offset: int
+    length: int
+    checksum: int
+    instance: str
+
+
+class LookupResult(NamedTuple):
+    """``num_present`` leading keys are cached; ``tiers[i]`` names key i's tier."""
+
+    num_present: int
+    tiers: tuple[str, ...]
+
+
+class _Arena(NamedTuple):
+    instance: str
+    map: mmap.mmap
+    tiers: tuple[str, ...]
+
+
+class KVKeepClient:
+    """Thread-safe (one lock around the connection); one connection per client."""
+
+    def __init__(
+        self,
+        socket_path: str | None = None,
+        address: tuple[str, int] | None = None,
+        token: bytes | None = None,
+        timeout_s: float = 2.0,
+        max_backoff_s: float = 5.0,
+    ) -> None:
+        if (socket_path is None) == (address is None):
+            raise ValueError("give exactly one of socket_path and address")
+        self.socket_path, self.address, self.token = socket_path, address, token
+        self.timeout_s, self.max_backoff_s = timeout_s, max_backoff_s
+        self._lock = threading.RLock()
+        self._sock: socket.socket | None = None
+        self._ns_ids: dict[Session, int] = {}
+        self._arena: _Arena | None = None
+        self._next_id = 0
+        self._failures = 0
+        self._retry_at = 0.0
+
+    # --- sessions ----------------------------------------------------------------------------
+
+    @staticmethod
+    def session(namespace: Namespace | bytes, block_bytes: int, label: str = "") -> Session:
+        """A session value; no I/O. Use it where the server may be down."""
+        digest = namespace.digest() if isinstance(namespace, Namespace) else namespace
+        return Session(digest, block_bytes, label)
+
+    def hello(self, namespace: Namespace | bytes, block_bytes: int, label: str = "") -> Session:
+        """Announce a namespace now; raises CacheRefused if the server cannot hold its blocks."""
+        session = self.session(namespace, block_bytes, label)
+        with self._lock:
+            self._ns_id(session)
+        return session
+
+    # --- operations --------------------------------------------------------------------------
+
+    def lookup(self, session: Session, keys: Sequence[BlockKey]) -> LookupResult:
+        """How many leading ``keys`` are cached, and where. Read-only."""
+        result = self._call_ns(session, p.Op.LOOKUP, {"keys": list(keys)})
+        names = self._arena.tiers if self._arena else ()
+        return LookupResult(result["num_present"], tuple(names[t] for t in result["tiers"]))
+
+    def reserve(self, session: Session, keys: Sequence[BlockKey]) -> list[SlotRef]:
+        """Slots to write blocks into, for keys not stored yet (others are skipped).
+
+        Fewer slots than keys: some were already stored, or the arena is full of pinned
+        blocks. Write each slot's bytes with ``slot_view`` then ``commit`` (or ``release``).
+        """
+        with self._lock:
+            result = self._call_ns(session, p.Op.RESERVE, {"keys": list(keys)})
+            return [self._slot(keys[i], offset, session, 0) for i, offset in result["slots"]]
+
+    def commit(
+        self, session: Session, slots: Sequence[SlotRef], checksums: Sequence[int] | None = None
+    ) -> int:
+        """Publish written slots; computes their CRC-32 unless given. Returns how many."""
+        crcs = (
+            list(checksums)
+            if checksums is not None
+            else [zlib.crc32(self._buffer(s)) for s in slots]
+        )
+        rows = [[s.offset, c] for s, c in zip(slots, crcs, strict=True)]
+        committed: int = self._call_ns(session, p.Op.COMMIT, {"slots": rows})["committed"]
+        return committed
+
+    def acquire(self, session: Session, keys: Sequence[BlockKey]) -> list[SlotRef]:
+        """Pin the leading cached blocks for reading (promoted from disk if needed).
+
+        Fewer slots than keys means the rest missed. Release every slot returned.
+        """
+        with self._lock:
+            result = self._call_ns(session, p.Op.ACQUIRE, {"keys": list(keys)})
+            return [
+                self._slot(k, o, session, c)
+                for k, (o, c) in zip(keys, result["slots"], strict=False)
+            ]
+
+    def release(self, slots: Sequence[SlotRef]) -> None:
+        """Unpin acquired slots or abandon reserved ones. Slots of a dead instance are ignored."""
+        with self._lock:
+            live = [s.offset for s in slots if self._arena and s.instance == self._arena.instance]
+            if live and self._sock is not None:
+                self._call(p.Op.RELEASE, {"slots": live})
+
+    def stats(self) -> dict[str, Any]:
+        return self._call(p.Op.STATS, {})
+
+    def slot_view(self, slot: SlotRef) -> np.ndarray:
+        """A writable uint8 view of the slot's bytes in the shared arena (no copy)."""
+        arena = self._arena
+        if arena is None or arena.instance != slot.instance:
+            raise CacheUnavailable("slot belongs to a server instance that is gone")
+        return np.frombuffer(arena.map, dtype=np.uint8, count=slot.length, offset=slot.offset)
+
+    def _buffer(self, slot: SlotRef) -> memoryview:
+        view = self.slot_view(slot)
+        return view.data  # the ndarray's own buffer: no copy
+
+    def verify(self, slot: SlotRef) -> bool:
+        """Whether the slot's bytes still match the checksum the server gave with it."""
+        return zlib.crc32(self._buffer(slot)) == slot.checksum
+
+    def close(self) -> None:
+        with self._lock:
+            self._disconnect()
+
+    # --- plumbing ----------------------------------------------------------------------------
+
+    def _slot(self, key: BlockKey, offset: int, session: Session, crc: int) -> SlotRef:
+        assert self._arena is not None
+        return SlotRef(key, offset, session.block_bytes, crc, self._arena.instance)
+
+    def _call_ns(self, session: Session, op: p.Op, args: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            return self._call(op, {**args, "ns": self._ns_id(session)})
+
+    def _ns_id(self, session: Session) -> int:
+        self._ensure_connected()
+        if session not in self._ns_ids:
+            args = {
+                "namespace": session.digest,
+                "block_bytes": session.block_bytes,
+                "label": session.label,
+            }
+            reply = self._call(p.Op.HELLO, args)
+            self._map_arena(reply)
+            self._ns_ids[session] = reply["ns"]
+        return self._ns_ids[session]
+
+    def _map_arena(self, reply: dict[str, Any]) -> None:
+        if self._arena is not None and self._arena.instance == reply["instance"]:
+            return
+        try:
+            fd = os.open(reply["arena_path"], os.O_RDWR)
+        except OSError as exc:
+            raise CacheUnavailable(f"cannot map the arena: {exc}") from exc
+        try:
+            arena_map = mmap.mmap(fd, reply["arena_bytes"])
+        finally:
+            os.close(fd)
+        # The old map is left to the garbage collector: views of it may still be alive.
+        self._arena = _Arena(reply["instance"], arena_map, tuple(reply["tiers"]))
+
+    def _call(self, op: p.Op, args: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            sock = self._ensure_connected()
+            self._next_id += 1
+            try:
+                sock.sendall(p.frame(p.request_body(self._next_id, op, args)))
+                reply = self._read_reply(sock)
+            except (OSError, ValueError, msgpack.UnpackException) as exc:
+                self._fail()
+                raise CacheUnavailable(f"{op.value} failed: {exc}") from exc
+            return self._result(reply, op)
+
+    def _result(self, reply: dict[str, Any], op: p.Op) -> dict[str, Any]:
+        if reply.get("id") != self._next_id or reply.get("v") != p.PROTOCOL_VERSION:
+            self._fail()
+            raise CacheUnavailable(f"{op.value}: reply out of step with the request")
+        if not reply.get("ok"):
+            error = reply.get("error") or {}
+            if error.get("code") in {c.value for c in p.FATAL_CODES}:
+                self._disconnect()
+            raise CacheRefused(str(error.get("code")), str(error.get("message")))
+        result: dict[str, Any] = reply["result"]
+        return result
+
+    def _read_reply(self, sock: socket.socket) -> dict[str, Any]:
+        (length,) = p.FRAME_HEADER.unpack(_recv_exactly(sock, p.FRAME_HEADER.size))
+        if length > p.MAX_FRAME_BYTES:
+            raise ValueError(f"reply frame of {length} bytes")
+        return p.unpack(_recv_exactly(sock, length))
+
+    def _ensure_connected(self) -> socket.socket:
+        if self._sock is not None:
+            return self._sock
+        if time.monotonic() < self._retry_at:
+            raise CacheUnavailable("server unreachable (backing off)")
+        try:
+            self._sock = self._connect()
+        except OSError as exc:
+            self._fail()
+            raise CacheUnavailable(f"cannot connect: {exc}") from exc
+        self._failures = 0
+        if self.token is not None:
+            self._call(p.Op.AUTH, {"token": self.token})
+        return self._sock
+
+    def _connect(self) -> socket.socket:
+        if self.socket_path is not None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            target: Any = self.socket_path
+        else:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            target = self.address
+        sock.settimeout(self.timeout_s)
+        try:
+            sock.connect(target)
+        except OSError:
+            sock.close()
+            raise
+        return sock
+
+    def _fail(self) -> None:
+        self._disconnect()
+        self._failures += 1
+        self._retry_at = time.monotonic() + min(0.05 * 2**self._failures, self.max_backoff_s)
+
+    def _disconnect(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+        self._sock = None
+        self._ns_ids.clear()
+
+
+def _recv_exactly(sock: socket.socket, count: int) -> bytes:
+    buf = bytearray(count)
+    view, got = memoryview(buf), 0
+    while got < count:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("server closed the connection")
+        got += n
+    return bytes(buf)

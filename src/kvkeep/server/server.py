@@ -1,0 +1,344 @@
+"""The cache server: one asyncio loop owning a TieredStore, serving the protocol.
+
+Every request is handled on the loop thread except ACQUIREs that must read from disk, which
+run in a thread pool so a slow disk never stalls LOOKUPs. A connection owns its namespaces
+(HELLO), its reservations and its pins; when it goes away, its reservations are aborted and
+its pins dropped, so a crashed engine leaves nothing pinned behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import hmac
+import logging
+import os
+import secrets
+import signal
+import socket
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvkeep.server import protocol as p
+from kvkeep.store.base import NullTier, StoreKey, Tier, store_key
+from kvkeep.store.disk import DiskConfig, DiskTier
+from kvkeep.store.memory import ArenaConfig, ArenaTier, slot_bytes_for
+from kvkeep.store.tiered import ReserveStatus, TieredStore, WriteBehindConfig
+
+log = logging.getLogger("kvkeep.server")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything ``kvkeep server`` is started with. ``disk_bytes`` 0 turns the disk off."""
+
+    directory: str
+    ram_bytes: int
+    disk_bytes: int
+    socket_path: str | None = None  # default: DIRECTORY/kvkeep.sock
+    listen: tuple[str, int] | None = None
+    token: bytes | None = None
+    extent_bytes: int = 64 << 20
+    queue_depth: int = 256
+    shm_dir: str = "/dev/shm"
+
+    def __post_init__(self) -> None:
+        if self.listen is not None and not self.token:
+            raise ValueError("--listen needs --token-file: TCP connections must authenticate")
+
+    @property
+    def effective_socket_path(self) -> str:
+        return self.socket_path or str(Path(self.directory) / "kvkeep.sock")
+
+
+@dataclass
+class _Namespace:
+    digest: bytes
+    block_bytes: int
+    label: str
+
+
+@dataclass
+class _Connection:
+    authenticated: bool
+    namespaces: list[_Namespace] = field(default_factory=list)
+    reservations: dict[int, StoreKey] = field(default_factory=dict)
+    pins: Counter[int] = field(default_factory=Counter)
+
+
+class CacheServer:
+    """Owns the store and the listeners. ``run()`` returns after SIGTERM has flushed."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.instance = secrets.token_hex(8)
+        Path(config.directory).mkdir(parents=True, exist_ok=True)
+        self._lock_fd = _lock_directory(Path(config.directory))
+        self.store = TieredStore(
+            self._make_ram(), self._make_lower(), WriteBehindConfig(config.queue_depth)
+        )
+        self.connections = 0
+        self._stop = asyncio.Event()
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Serve until SIGTERM/SIGINT, then flush pending writes and clean up."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        servers = [await self._start_unix()]
+        if self.config.listen is not None:
+            host, port = self.config.listen
+            servers.append(await asyncio.start_server(self._tcp_client, host, port))
+        log.info(
+            "kvkeep server ready: instance %s socket %s",
+            self.instance,
+            self.config.effective_socket_path,
+        )
+        print(f"kvkeep server ready socket={self.config.effective_socket_path}", flush=True)
+        await self._stop.wait()
+        for server in servers:
+            server.close()
+        self.shutdown()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def shutdown(self) -> None:
+        """Flush write-behind, seal the disk tier, remove the arena and the socket."""
+        self.store.close()
+        Path(self.config.effective_socket_path).unlink(missing_ok=True)
+        os.close(self._lock_fd)
+
+    async def _start_unix(self) -> asyncio.AbstractServer:
+        path = self.config.effective_socket_path
+        Path(path).unlink(missing_ok=True)  # the directory lock proves no server owns it
+        old_umask = os.umask(0o177)  # the socket is born 0600: no window where others connect
+        try:
+            return await asyncio.start_unix_server(self._unix_client, path)
+        finally:
+            os.umask(old_umask)
+
+    def _make_ram(self) -> ArenaTier:
+        extent = min(self.config.extent_bytes, self.config.ram_bytes // 4096 * 4096)
+        arena_config = ArenaConfig(self.config.ram_bytes, extent, self.config.shm_dir)
+        marker = Path(self.config.directory) / "arena.path"
+        if marker.exists():  # the arena of a server that was killed: nobody else owns it
+            Path(marker.read_text().strip()).unlink(missing_ok=True)
+        path = str(Path(self.config.shm_dir) / f"kvkeep-{self.instance}")
+        marker.write_text(path)
+        return ArenaTier(arena_config, path)
+
+    def _make_lower(self) -> list[Tier]:
+        if self.config.disk_bytes == 0:
+            return [NullTier("disk")]
+        disk_dir = str(Path(self.config.directory) / "disk")
+        disk = DiskTier(DiskConfig(disk_dir, self.config.disk_bytes))
+        log.info(
+            "disk index rebuilt: %d blocks in %.3f s", disk.stats().blocks, disk.rebuild_seconds
+        )
+        return [disk]
+
+    # --- connections -----------------------------------------------------------------------
+
+    async def _unix_client(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        await self._serve(reader, writer, _Connection(authenticated=True))
+
+    async def _tcp_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        await self._serve(reader, writer, _Connection(authenticated=False))
+
+    async def _serve(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: _Connection
+    ) -> None:
+        self.connections += 1
+        try:
+            while await self._serve_one(reader, writer, conn):
+                pass
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the client went away
+        finally:
+            self.connections -= 1
+            self._forget(conn)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _serve_one(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: _Connection
+    ) -> bool:
+        """Read, handle and answer one request. False: the connection must close."""
+        request_id = 0
+        try:
+            (length,) = p.FRAME_HEADER.unpack(await reader.readexactly(p.FRAME_HEADER.size))
+            p.check_frame_length(length)
+            request = p.decode_request(await reader.readexactly(length))
+            request_id = request.id
+            reply = p.ok_reply(request.id, await self._dispatch(conn, request))
+        except p.ProtocolError as exc:
+            reply = p.error_reply(request_id, exc)
+            writer.write(p.frame(reply))
+            await writer.drain()
+            return exc.code not in p.FATAL_CODES
+        writer.write(p.frame(reply))
+        await writer.drain()
+        return True
+
+    def _forget(self, conn: _Connection) -> None:
+        for offset in conn.reservations:
+            self.store.ram.abort(offset)
+        for offset, count in conn.pins.items():
+            for _ in range(count):
+                self.store.release(offset)
+
+    # --- operations ------------------------------------------------------------------------
+
+    async def _dispatch(self, conn: _Connection, request: p.Request) -> dict[str, Any]:
+        if request.op is p.Op.AUTH:
+            return self._auth(conn, request.args)
+        if not conn.authenticated:
+            raise p.ProtocolError(p.ErrorCode.UNAUTHORIZED, "send AUTH with the server token first")
+        if request.op is p.Op.ACQUIRE:
+            return await self._acquire(conn, request.args)
+        handler = {
+            p.Op.HELLO: self._hello,
+            p.Op.LOOKUP: self._lookup,
+            p.Op.RESERVE: self._reserve,
+            p.Op.COMMIT: self._commit,
+            p.Op.RELEASE: self._release,
+            p.Op.STATS: self._stats,
+        }[request.op]
+        return handler(conn, request.args)
+
+    def _auth(self, conn: _Connection, args: dict[str, Any]) -> dict[str, Any]:
+        token = p.arg_bytes(args, "token")
+        if self.config.token is not None and not hmac.compare_digest(token, self.config.token):
+            raise p.ProtocolError(p.ErrorCode.UNAUTHORIZED, "wrong token")
+        conn.authenticated = True
+        return {}
+
+    def _hello(self, conn: _Connection, args: dict[str, Any]) -> dict[str, Any]:
+        digest = p.arg_bytes(args, "namespace", 32)
+        block_bytes = p.arg_int(args, "block_bytes")
+        label = str(args.get("label", ""))[:200]
+        max_block = self.store.ram.config.extent_bytes
+        if not 0 < slot_bytes_for(block_bytes) <= max_block:
+            raise p.ProtocolError(
+                p.ErrorCode.BLOCK_TOO_LARGE,
+                f"blocks of {block_bytes} bytes do not fit this server (max {max_block}); "
+                "restart it with more --ram",
+            )
+        conn.namespaces.append(_Namespace(digest, block_bytes, label))
+        return {
+            "ns": len(conn.namespaces) - 1,
+            "instance": self.instance,
+            "arena_path": self.store.ram.arena.path,
+            "arena_bytes": self.store.ram.arena.size,
+            "tiers": [t.name for t in self.store.tiers],
+            "max_block_bytes": max_block,
+        }
+
+    def _namespace(self, conn: _Connection, args: dict[str, Any]) -> _Namespace:
+        ns = p.arg_int(args, "ns")
+        if ns >= len(conn.namespaces):
+            raise p.ProtocolError(
+                p.ErrorCode.UNKNOWN_NAMESPACE, f"namespace {ns} was not announced by HELLO"
+            )
+        return conn.namespaces[ns]
+
+    def _keys(self, conn: _Connection, args: dict[str, Any]) -> tuple[_Namespace, list[StoreKey]]:
+        ns = self._namespace(conn, args)
+        return ns, [store_key(ns.digest, k) for k in p.arg_keys(args)]
+
+    def _lookup(self, conn: _Connection, args: dict[str, Any]) -> dict[str, Any]:
+        _, keys = self._keys(conn, args)
+        found = self.store.lookup(keys)
+        return {"num_present": found.num_present, "tiers": list(found.tiers)}
+
+    def _reserve(self, conn: _Connection, args: dict[str, Any]) -> dict[str, Any]:
+        ns, keys = self._keys(conn, args)
+        slots = []
+        for index, key in enumerate(keys):
+            reservation = self.store.reserve(key, ns.block_bytes)
+            if reservation.status is ReserveStatus.FULL:
+                break
+            if reservation.status is ReserveStatus.RESERVED:
+                conn.reservations[reservation.offset] = key
+                slots.append([index, reservation.offset])
+        return {"slots": slots}
+
+    def _commit(self, conn: _Connection, args: dict[str, Any]) -> dict[str, Any]:
+        self._namespace(conn, args)
+        committed = 0
+        for offset, crc in p.arg_int_list(args, "slots", 2):
+            if conn.reservations.pop(offset, None) is not None:
+                committed += self.store.commit(offset, crc)
+        return {"committed": committed}
+
+    async def _acquire(self, conn: _Connection, args: dict[str, Any]) -> dict[str, Any]:
+        ns, keys = self._keys(conn, args)
+        slots: list[list[int]] = []
+        for key in keys:  # fast path: RAM hits on the loop thread
+            pinned = self.store.ram.pin(key)
+            if pinned is None:
+                break
+            conn.pins[pinned.offset] += 1
+            slots.append([pinned.offset, pinned.checksum])
+        rest = keys[len(slots) :]
+        if rest and self.store.lookup(rest[:1]).num_present:
+            loop = asyncio.get_running_loop()
+            promoted = await loop.run_in_executor(None, self._acquire_slow, rest, ns.block_bytes)
+            for offset, crc in promoted:
+                conn.pins[offset] += 1
+                slots.append([offset, crc])
+        return {"slots": slots}
+
+    def _acquire_slow(self, keys: list[StoreKey], block_bytes: int) -> list[tuple[int, int]]:
+        """Pin the leading keys, promoting from disk; runs in a worker thread."""
+        pinned = []
+        for key in keys:
+            hit = self.store.acquire(key, block_bytes)
+            if hit is None:
+                break
+            pinned.append((hit.offset, hit.checksum))
+        return pinned
+
+    def _release(self, conn: _Connection, args: dict[str, Any]) -> dict[str, Any]:
+        for offset in p.arg_int_list(args, "slots", 1):
+            if conn.reservations.pop(offset, None) is not None:
+                self.store.ram.abort(offset)
+            elif conn.pins[offset] > 0:
+                conn.pins[offset] -= 1
+                self.store.release(offset)
+        return {}
+
+    def _stats(self, conn: _Connection, args: dict[str, Any]) -> dict[str, Any]:
+        return self.stats()
+
+    def stats(self) -> dict[str, Any]:
+        disk = self.store.lower[0]
+        return {
+            **self.store.stats(),
+            "instance": self.instance,
+            "connections": self.connections,
+            "rebuild_s": getattr(disk, "rebuild_seconds", 0.0),
+        }
+
+
+def _lock_directory(directory: Path) -> int:
+    """Hold an exclusive lock on DIRECTORY/server.lock for the process lifetime."""
+    fd = os.open(directory / "server.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RuntimeError(f"another kvkeep server is using {directory}") from None
+    return fd
