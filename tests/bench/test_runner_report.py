@@ -1,0 +1,68 @@
+from pathlib import Path
+
+from kvkeep.bench import report
+from kvkeep.bench.runner import TurnResult, metrics_delta, parse_prometheus
+from kvkeep.bench.scenarios import summarize_session
+
+PROM = """# HELP vllm:prefix_cache_hits_total hits
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 1664.0
+vllm:prefix_cache_hits_created{engine="0",model_name="m"} 1.7e9
+vllm:prompt_tokens_by_source_total{engine="0",source="local_compute"} 100.0
+vllm:prompt_tokens_by_source_total{engine="0",source="local_cache_hit"} 28.0
+"""
+
+
+def test_prometheus_samples_are_summed_over_labels() -> None:
+    m = parse_prometheus(PROM)
+    assert m["vllm:prefix_cache_hits_total"] == 1664.0
+    assert m["vllm:prompt_tokens_by_source_total"] == 128.0
+    assert metrics_delta({"a": 1.0}, {"a": 5.0, "b": 2.0}) == {"a": 4.0, "b": 2.0}
+
+
+def _session(prompts: list[int], cached: list[int]) -> dict:
+    rows = [
+        TurnResult(0, i, p, c, p - c, 8, 0.1 * (i + 1), 0.2 * (i + 1), float(i))
+        for i, (p, c) in enumerate(zip(prompts, cached, strict=True))
+    ]
+    return summarize_session(rows, 3.0, {})
+
+
+def test_session_summary_totals_and_ratio() -> None:
+    s = _session([1000, 2000, 3000], [0, 896, 1920])
+    assert s["total_prompt_tokens"] == 6000
+    assert s["total_computed_tokens"] == 1000 + 1104 + 1080
+    assert s["last_turn_prompt_tokens"] == 3000
+    assert s["max_turn_computed_tokens"] == 1104
+    assert abs(s["reread_ratio"] - 6000 / 3184) < 1e-9
+    assert [t["computed_tokens"] for t in s["turns"]] == [1000, 1104, 1080]
+
+
+def test_report_writes_tables_json_and_plots(tmp_path: Path) -> None:
+    doc = {
+        "scenarios": {
+            "session": {
+                "scenario": "session",
+                "spec": {"turns": 3, "scale": 0.1},
+                "modes": {"none": _session([1000, 2000, 3000], [0, 0, 0]),
+                          "vllm": _session([1000, 2000, 3000], [0, 896, 1920])},
+            },
+            "ttft": {
+                "scenario": "ttft",
+                "modes": {
+                    "vllm": {"sizes": {"4096": {"cold_s": 0.5, "warm_s": 0.05, "speedup": 10.0}}}
+                },
+            },
+        }
+    }  # fmt: skip
+    paths = report.write_report(doc, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "| total prompt tokens (30 turns) | >2M | 6,000 | 6,000 |" in md
+    assert "| prompt / computed | 14x | 1.0x | 1.9x |" in md
+    assert "| 4,096 | vllm | 0.500 s | 0.050 s | 10.0x |" in md
+    pngs = [p for p in paths if p.suffix == ".png"]
+    assert {p.name for p in pngs} == {
+        "computed_tokens_per_turn.png", "ttft_per_turn.png", "ttft_by_size.png"
+    }  # fmt: skip
+    for p in pngs:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000

@@ -1,0 +1,46 @@
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
+
+from kvkeep.cli import main
+from kvkeep.model import TinyModelSpec, write_tiny_model
+
+
+def test_same_arguments_give_identical_files(tmp_path: Path) -> None:
+    spec = TinyModelSpec(layers=2, vocab=1024)
+    a = write_tiny_model(tmp_path / "a", spec)
+    b = write_tiny_model(tmp_path / "b", spec)
+    names = sorted(p.name for p in a.iterdir())
+    assert names == sorted(p.name for p in b.iterdir())
+    for name in names:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def test_config_has_the_requested_shapes(tmp_path: Path) -> None:
+    shape = "--layers 3 --kv-heads 1 --heads 2 --head-dim 32 --hidden 64 --vocab 1024".split()
+    rc = main(["model", "tiny", str(tmp_path), *shape])
+    assert rc == 0
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert (cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"]) == (3, 1, 32)
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert tok.get_vocab_size() == 1024
+    # Byte-level BPE: any text round-trips, including bytes never seen in training.
+    text = "def f(x):\n    return x  # é ✓"
+    assert tok.decode(tok.encode(text).ids) == text
+    assert "chat_template" in json.loads((tmp_path / "tokenizer_config.json").read_text())
+
+
+def test_kv_bytes_per_token_of_the_default_model() -> None:
+    assert TinyModelSpec().kv_bytes_per_token == 2048  # DESIGN.md: 4 x 2 x 2 x 64 x 2
+
+
+def test_bad_shapes_are_refused_with_the_argument_named(tmp_path: Path, capsys) -> None:
+    rc = main(["model", "tiny", str(tmp_path), "--heads", "3", "--kv-heads", "2"])
+    assert rc == 2
+    assert "--heads (3) must be a multiple of --kv-heads (2)" in capsys.readouterr().err
+    assert not (tmp_path / "config.json").exists()
+    with pytest.raises(ValueError, match="--vocab"):
+        TinyModelSpec(vocab=10).validate()
