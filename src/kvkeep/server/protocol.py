@@ -154,7 +154,7 @@ def arg_keys(args: dict[str, Any]) -> list[bytes]:
         raise ProtocolError(
             ErrorCode.BAD_REQUEST, f"keys must be a list of <= {MAX_KEYS_PER_REQUEST}"
         )
-    if not all(isinstance(k, bytes) and len(k) == KEY_BYTES for k in keys):
+    if {len(k) if type(k) is bytes else -1 for k in keys} - {KEY_BYTES}:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"every key must be {KEY_BYTES} bytes")
     return keys
 

@@ -1,0 +1,292 @@
+"""``kvkeep bench store``: bandwidth and latency of the cache server and its tiers.
+
+Everything runs in one go against real server processes on this machine:
+
+- ``memcpy_gbps``       numpy copy of the same total, the ceiling for the RAM tier;
+- ``ram_put_gbps``      reserve -> copy into the arena -> commit (client computes CRC-32);
+- ``ram_get_gbps``      acquire -> copy out of the arena -> release (``_verified``: plus CRC);
+- ``disk_get_gbps``     same, after a restart emptied RAM and the page cache was dropped;
+- ``disk_direct_read_gbps`` O_DIRECT read of a file of the same size, the disk's ceiling;
+- ``lookup_p99_ms``     LOOKUP of 1,000-key prompts whose keys are all present;
+- ``rebuild_s_per_100k`` the server's start-up index rebuild, per 100k blocks on disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import mmap
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvkeep.keys import Namespace, chain_keys
+from kvkeep.server.client import KVKeepClient, Session
+from kvkeep.store.base import StoreKey, checksum
+from kvkeep.store.disk import DiskConfig, DiskTier, drop_page_cache
+from kvkeep.units import format_size, parse_size
+
+GB = 1e9
+BATCH = 32
+TARGETS = {
+    "ram_get_gbps": ">= 0.5 x memcpy_gbps",
+    "disk_get_gbps": ">= 0.5 x disk_direct_read_gbps",
+    "lookup_p99_ms": "<= 2",
+    "rebuild_s_per_100k": "<= 1",
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kvkeep bench store", description=__doc__.split("\n")[0])
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--dir", help="scratch directory on the disk to measure (default: a tmp dir)")
+    ap.add_argument("--total", type=parse_size, default=parse_size("512MiB"))
+    ap.add_argument("--block", type=parse_size, default=parse_size("1MiB"))
+    ap.add_argument("--rebuild-blocks", type=int, default=100_000)
+    ap.add_argument("--lookups", type=int, default=300)
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv[1:])
+    with _scratch(args.dir) as scratch:
+        results = run(args, scratch)
+    print(_table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"results": results, "targets": TARGETS}, indent=2))
+    return 0
+
+
+def run(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
+    count = max(args.total // args.block, 1)
+    total = count * args.block
+    results: dict[str, Any] = {"block_bytes": args.block, "total_bytes": total}
+    results["memcpy_gbps"] = _memcpy_gbps(total)
+    server = _Server(scratch / "tiers", ram=total + (256 << 20), disk=3 * total + (256 << 20))
+    try:
+        results.update(_ram_and_disk(server, count, args.block))
+        results["lookup_p99_ms"] = _lookup_p99_ms(server, args.lookups)
+    finally:
+        server.stop()
+    results["disk_direct_read_gbps"] = _direct_read_gbps(scratch / "direct.bin", total)
+    results["rebuild_s_per_100k"] = _rebuild_s_per_100k(scratch / "rebuild", args.rebuild_blocks)
+    return results
+
+
+# --- measurements ---------------------------------------------------------------------------
+
+
+def _memcpy_gbps(total: int) -> float:
+    src = np.random.default_rng(0).integers(0, 255, total, dtype=np.uint8)
+    dst = np.empty_like(src)
+    best = min(_timed(lambda: np.copyto(dst, src)) for _ in range(3))
+    return total / best / GB
+
+
+def _ram_and_disk(server: _Server, count: int, block: int) -> dict[str, float]:
+    ns = Namespace("bench", "bfloat16", "LBHNC", "bench", block_size=16)
+    keys = chain_keys(ns, list(range(count * 16)), 16)
+    data = np.random.default_rng(1).integers(0, 255, block, dtype=np.uint8)
+    out = np.empty(block, dtype=np.uint8)
+    client = KVKeepClient(server.socket, timeout_s=30)
+    session = client.hello(ns, block)
+    put_s = _timed(lambda: _put_all(client, session, keys, data))
+    _wait_written(client, count)  # keep write-through from competing with the reads
+    get_s = min(
+        _timed(lambda: _get_all(client, session, keys, out, verify=False)) for _ in range(2)
+    )
+    verified_s = _timed(lambda: _get_all(client, session, keys, out, verify=True))
+    server.restart()  # RAM is empty now; the disk tier holds every block
+    drop_page_cache(str(server.directory / "disk"))
+    _retry(client.stats, 50)  # reconnect (the client backs off after the restart) untimed
+    time.sleep(1.0)  # let the new server finish allocating its arena
+    disk_s = _timed(lambda: _get_all(client, session, keys, out, verify=True, retries=50))
+    total = count * block
+    return {
+        "ram_put_gbps": total / put_s / GB,
+        "ram_get_gbps": total / get_s / GB,
+        "ram_get_verified_gbps": total / verified_s / GB,
+        "disk_get_gbps": total / disk_s / GB,
+    }
+
+
+def _put_all(client: KVKeepClient, session: Session, keys: list[Any], data: np.ndarray) -> None:
+    crc = checksum(data.data)
+    for start in range(0, len(keys), BATCH):
+        slots = client.reserve(session, keys[start : start + BATCH])
+        for slot in slots:
+            np.copyto(client.slot_view(slot), data)
+        client.commit(session, slots, [crc] * len(slots))
+
+
+def _get_all(
+    client: KVKeepClient,
+    session: Session,
+    keys: list[Any],
+    out: np.ndarray,
+    verify: bool,
+    retries: int = 0,
+) -> None:
+    for start in range(0, len(keys), BATCH):
+        batch = keys[start : start + BATCH]
+        slots = _retry(lambda b=batch: client.acquire(session, b), retries)
+        if len(slots) != len(batch):
+            raise RuntimeError(f"expected {len(batch)} hits, got {len(slots)}")
+        for slot in slots:
+            np.copyto(out, client.slot_view(slot))
+            if verify and not client.verify(slot):
+                raise RuntimeError("a served block failed its checksum")
+        client.release(slots)
+
+
+def _wait_written(client: KVKeepClient, count: int) -> None:
+    deadline = time.monotonic() + 120
+    while client.stats()["tiers"]["disk"]["blocks"] < count:
+        if time.monotonic() > deadline:
+            raise RuntimeError("write-through did not reach the disk tier")
+        time.sleep(0.05)
+
+
+def _lookup_p99_ms(server: _Server, lookups: int) -> float:
+    ns = Namespace("bench-lookup", "bfloat16", "LBHNC", "bench", block_size=16)
+    keys = chain_keys(ns, list(range(1000 * 16)), 16)
+    client = KVKeepClient(server.socket, timeout_s=30)
+    session = client.hello(ns, 4096)
+    for start in range(0, len(keys), 256):
+        slots = client.reserve(session, keys[start : start + 256])
+        client.commit(session, slots, [0] * len(slots))
+    latencies = []
+    for _ in range(lookups):
+        started = time.perf_counter()
+        found = client.lookup(session, keys)
+        latencies.append(time.perf_counter() - started)
+        assert found.num_present == 1000
+    return float(np.percentile(latencies, 99) * 1000)
+
+
+def _direct_read_gbps(path: Path, total: int) -> float:
+    chunk = 4 << 20
+    buf = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT wants
+    with open(path, "wb") as f:
+        for _ in range(-(-total // chunk)):
+            f.write(os.urandom(1024) * (chunk // 1024))
+        f.flush()
+        os.fsync(f.fileno())
+    fd = _open_direct(path)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        started = time.perf_counter()
+        while os.readv(fd, [buf]) > 0:
+            pass
+        elapsed = time.perf_counter() - started
+    finally:
+        os.close(fd)
+        path.unlink()
+    return total / elapsed / GB
+
+
+def _open_direct(path: Path) -> int:
+    try:
+        return os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    except OSError:  # the filesystem has no O_DIRECT (tmpfs): buffered after dropping cache
+        return os.open(path, os.O_RDONLY)
+
+
+def _rebuild_s_per_100k(directory: Path, blocks: int) -> float:
+    """Fill a disk tier with ``blocks`` 1 KiB records, then time a server start's rebuild."""
+    disk_dir = directory / "disk"
+    record = 1024 + 128
+    config = DiskConfig(str(disk_dir), max(blocks * record * 2, 64 << 20), fsync_on_seal=False)
+    disk = DiskTier(config)
+    payload = memoryview(bytes(1024))
+    crc = checksum(payload)
+    for i in range(blocks):
+        disk.put(StoreKey(i.to_bytes(64, "little")), payload, crc)
+    disk.close()
+    server = _Server(directory, ram=64 << 20, disk=config.capacity_bytes)
+    try:
+        client = KVKeepClient(server.socket)
+        stats = client.stats()
+        if stats["tiers"]["disk"]["blocks"] != blocks:
+            raise RuntimeError("the rebuilt index lost blocks")
+        return float(stats["rebuild_s"]) * 100_000 / blocks
+    finally:
+        server.stop()
+
+
+# --- plumbing -------------------------------------------------------------------------------
+
+
+class _Server:
+    """A `kvkeep server` subprocess for the benchmark."""
+
+    def __init__(self, directory: Path, ram: int, disk: int) -> None:
+        self.directory = directory
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.socket = str(directory / "kvkeep.sock")
+        self.cmd = [
+            sys.executable, "-m", "kvkeep.cli", "server", "--dir", str(directory),
+            "--ram", str(ram), "--disk", str(disk), "--queue-depth", "4096",
+        ]  # fmt: skip
+        self.proc = self._start()
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if b"ready" not in line:
+            raise RuntimeError(f"kvkeep server did not start: {line!r}")
+        return proc
+
+    def restart(self) -> None:
+        self.stop()
+        self.proc = self._start()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(120)
+
+
+def _retry(call: Any, retries: int) -> Any:
+    """Call, retrying while the client backs off after a server restart."""
+    for attempt in range(retries + 1):
+        try:
+            return call()
+        except Exception:
+            if attempt == retries:
+                raise
+            time.sleep(0.1)
+    return None
+
+
+def _timed(call: Any) -> float:
+    started = time.perf_counter()
+    call()
+    return time.perf_counter() - started
+
+
+@contextlib.contextmanager
+def _scratch(directory: str | None) -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="kvkeep-bench-", dir=directory) as tmp:
+        yield Path(tmp)
+
+
+def _table(results: dict[str, Any]) -> str:
+    rows = [
+        f"block {format_size(results['block_bytes'])}, total {format_size(results['total_bytes'])}"
+    ]
+    rows.append(f"{'metric':<24} {'measured':>10}  target")
+    for name, value in results.items():
+        if name.endswith(("_gbps", "_ms", "_100k")):
+            rows.append(f"{name:<24} {value:>10.3f}  {TARGETS.get(name, '')}")
+    return "\n".join(rows)

@@ -1,0 +1,24 @@
+"""`kvkeep bench store` runs end to end on small sizes and writes every figure."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvkeep.bench.store_bench import main
+
+
+@pytest.mark.slow
+def test_store_bench_writes_all_figures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "store.json"
+    argv = ["store", "--json", str(out), "--dir", str(tmp_path), "--total", "16MiB"]
+    assert main([*argv, "--block", "256KiB", "--rebuild-blocks", "2000", "--lookups", "20"]) == 0
+    results = json.loads(out.read_text())["results"]
+    for name in (
+        "memcpy_gbps", "ram_put_gbps", "ram_get_gbps", "disk_get_gbps",
+        "disk_direct_read_gbps", "lookup_p99_ms", "rebuild_s_per_100k",
+    ):  # fmt: skip
+        assert results[name] > 0, name
+    assert "lookup_p99_ms" in capsys.readouterr().out
