@@ -1,0 +1,300 @@
+"""KV bytes per token of a model, from its `config.json` or a preset of published values.
+
+Per token and per attention layer a model stores K and V: ``2 * kv_heads * head_dim`` values
+of the KV dtype (MLA models store one latent of ``kv_lora_rank + qk_rope_head_dim`` values
+instead). Sliding-window layers keep only the last ``window`` tokens, so over a context of
+``L`` tokens they cost ``min(L, window) / L`` of a full layer per token: the average bytes per
+token therefore depend on the context length, and :meth:`KVFootprint.bytes_per_token` takes it.
+
+Which layers slide is read the way each family writes it: ``layer_types`` (gpt-oss, newer
+Gemma/Qwen configs), ``sliding_window_pattern`` (Gemma 3: every N-th layer is global),
+``use_sliding_window`` + ``max_window_layers`` (Qwen2), or ``sliding_window`` alone (Mistral
+7B v0.1: every layer slides).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DTYPE_BYTES = {
+    "float32": 4,
+    "fp32": 4,
+    "float16": 2,
+    "fp16": 2,
+    "half": 2,
+    "bfloat16": 2,
+    "bf16": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "float8_e4m3fn": 1,
+}
+
+
+@dataclass(frozen=True)
+class KVFootprint:
+    """The KV cache shape of a model. ``values_per_layer`` counts K and V (or the MLA latent)."""
+
+    name: str
+    layers: int
+    values_per_layer: int
+    dtype_bytes: int
+    window_layers: int
+    window_tokens: int
+    source: str
+
+    def __post_init__(self) -> None:
+        if self.layers <= 0 or self.values_per_layer <= 0 or self.dtype_bytes <= 0:
+            raise ValueError(f"{self.name}: layers, KV heads and head_dim must be positive")
+        if not 0 <= self.window_layers <= self.layers:
+            raise ValueError(f"{self.name}: {self.window_layers} sliding layers of {self.layers}")
+
+    @property
+    def layer_bytes_per_token(self) -> int:
+        return self.values_per_layer * self.dtype_bytes
+
+    @property
+    def full_layers(self) -> int:
+        return self.layers - self.window_layers
+
+    def bytes_per_token(self, context_tokens: float | None = None) -> float:
+        """Average KV bytes per token over a context of ``context_tokens`` (None: unbounded)."""
+        full = self.full_layers * self.layer_bytes_per_token
+        if not self.window_layers or context_tokens is None or context_tokens <= 0:
+            return float(full)
+        share = min(1.0, self.window_tokens / context_tokens)
+        return full + self.window_layers * self.layer_bytes_per_token * share
+
+    def describe(self) -> str:
+        """One line with the numbers and their source."""
+        text = (
+            f"{self.name}: {self.layers} layers x {self.values_per_layer} KV values x "
+            f"{self.dtype_bytes} B = {self.layers * self.layer_bytes_per_token} B/token"
+        )
+        if self.window_layers:
+            text += (
+                f" ({self.window_layers} sliding layers keep {self.window_tokens} tokens: "
+                f"{self.full_layers * self.layer_bytes_per_token} B/token beyond the window)"
+            )
+        return f"{text}; source: {self.source}"
+
+
+def _hf(repo: str, **config: Any) -> tuple[dict[str, Any], str]:
+    return config, f"https://huggingface.co/{repo}/blob/main/config.json"
+
+
+# Values copied from each model's published config.json (only the fields that size the KV).
+PRESETS: dict[str, tuple[dict[str, Any], str]] = {
+    "llama-3.1-8b": _hf(
+        "meta-llama/Llama-3.1-8B-Instruct",
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        hidden_size=4096,
+        torch_dtype="bfloat16",
+    ),  # fmt: skip
+    "llama-3.1-70b": _hf(
+        "meta-llama/Llama-3.1-70B-Instruct",
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        hidden_size=8192,
+        torch_dtype="bfloat16",
+    ),  # fmt: skip
+    "qwen2.5-coder-7b": _hf(
+        "Qwen/Qwen2.5-Coder-7B-Instruct",
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        hidden_size=3584,
+        sliding_window=131072,
+        use_sliding_window=False,
+        torch_dtype="bfloat16",
+    ),  # fmt: skip
+    "qwen2.5-coder-32b": _hf(
+        "Qwen/Qwen2.5-Coder-32B-Instruct",
+        num_hidden_layers=64,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        hidden_size=5120,
+        sliding_window=131072,
+        use_sliding_window=False,
+        torch_dtype="bfloat16",
+    ),  # fmt: skip
+    "qwen3-32b": _hf(
+        "Qwen/Qwen3-32B",
+        num_hidden_layers=64,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        hidden_size=5120,
+        use_sliding_window=False,
+        torch_dtype="bfloat16",
+    ),  # fmt: skip
+    "qwen3-coder-30b-a3b": _hf(
+        "Qwen/Qwen3-Coder-30B-A3B-Instruct",
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        hidden_size=2048,
+        use_sliding_window=False,
+        torch_dtype="bfloat16",
+    ),  # fmt: skip
+    "mistral-small-24b": _hf(
+        "mistralai/Mistral-Small-24B-Instruct-2501",
+        num_hidden_layers=40,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        hidden_size=5120,
+        sliding_window=None,
+        torch_dtype="bfloat16",
+    ),  # fmt: skip
+    "gemma-3-27b": _hf(
+        "google/gemma-3-27b-it",
+        num_hidden_layers=62,
+        num_attention_heads=32,
+        num_key_value_heads=16,
+        head_dim=128,
+        hidden_size=5376,
+        sliding_window=1024,
+        sliding_window_pattern=6,
+        torch_dtype="bfloat16",
+    ),  # fmt: skip
+    "gpt-oss-20b": _hf(
+        "openai/gpt-oss-20b",
+        num_hidden_layers=24,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        hidden_size=2880,
+        sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 12,
+        torch_dtype="bfloat16",
+    ),  # fmt: skip
+    "gpt-oss-120b": _hf(
+        "openai/gpt-oss-120b",
+        num_hidden_layers=36,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        hidden_size=2880,
+        sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 18,
+        torch_dtype="bfloat16",
+    ),  # fmt: skip
+    "deepseek-v3": _hf(
+        "deepseek-ai/DeepSeek-V3",
+        num_hidden_layers=61,
+        num_attention_heads=128,
+        num_key_value_heads=128,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        hidden_size=7168,
+        torch_dtype="bfloat16",
+    ),  # fmt: skip
+    "kvkeep-tiny": (
+        {
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "hidden_size": 256,
+            "torch_dtype": "bfloat16",
+        },
+        "kvkeep.model.TinyModelSpec defaults (`kvkeep model tiny DIR`)",
+    ),  # fmt: skip
+}
+
+
+def resolve_model(model: str, kv_dtype: str | None = None) -> KVFootprint:
+    """A preset name (case-insensitive) or a path to a config.json or a model directory.
+
+    Raises ValueError listing the presets when ``model`` is neither.
+    """
+    path = Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        return footprint_from_file(path, kv_dtype)
+    preset = PRESETS.get(model.lower())
+    if preset is None:
+        known = ", ".join(PRESETS)
+        raise ValueError(
+            f"unknown model {model!r}: give a config.json, a model directory or a preset ({known})"
+        )
+    config, source = preset
+    return footprint_from_config(config, model.lower(), source, kv_dtype)
+
+
+def footprint_from_file(path: Path, kv_dtype: str | None = None) -> KVFootprint:
+    """Read a HF config.json. Raises ValueError naming the file on bad JSON or missing keys."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read the model config: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: a config.json is a JSON object")
+    return footprint_from_config(config, str(path.parent.name or path), str(path), kv_dtype)
+
+
+def footprint_from_config(
+    config: dict[str, Any], name: str, source: str, kv_dtype: str | None = None
+) -> KVFootprint:
+    """The footprint of a HF config dict (multimodal configs: their ``text_config``)."""
+    cfg = config.get("text_config") or config
+    layers = _int(cfg, "num_hidden_layers", source)
+    window, sliding = _sliding(cfg, layers)
+    return KVFootprint(
+        name=name,
+        layers=layers,
+        values_per_layer=_values_per_layer(cfg, source),
+        dtype_bytes=_dtype_bytes(kv_dtype or cfg.get("torch_dtype") or config.get("torch_dtype")),
+        window_layers=sliding,
+        window_tokens=window,
+        source=source,
+    )
+
+
+def _values_per_layer(cfg: dict[str, Any], source: str) -> int:
+    """K and V values per token per layer: 2 * kv_heads * head_dim, or the MLA latent."""
+    if cfg.get("kv_lora_rank"):
+        return int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim") or 0)
+    heads = _int(cfg, "num_attention_heads", source)
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = cfg.get("head_dim") or _int(cfg, "hidden_size", source) // heads
+    return 2 * kv_heads * int(head_dim)
+
+
+def _sliding(cfg: dict[str, Any], layers: int) -> tuple[int, int]:
+    """(window tokens, number of sliding-window layers); (0, 0) when no layer slides."""
+    window = cfg.get("sliding_window")
+    if not window or cfg.get("use_sliding_window") is False:
+        return 0, 0
+    if isinstance(cfg.get("layer_types"), list):
+        return int(window), sum(t == "sliding_attention" for t in cfg["layer_types"])
+    if cfg.get("sliding_window_pattern"):
+        return int(window), layers - layers // int(cfg["sliding_window_pattern"])
+    if cfg.get("use_sliding_window") and cfg.get("max_window_layers") is not None:
+        return int(window), max(0, layers - int(cfg["max_window_layers"]))
+    return int(window), layers
+
+
+def _dtype_bytes(dtype: object) -> int:
+    if dtype is None or dtype == "auto":
+        return 2  # HF configs without torch_dtype are served in 16-bit by default
+    size = DTYPE_BYTES.get(str(dtype).lower().removeprefix("torch."))
+    if size is None:
+        raise ValueError(f"unknown KV dtype {dtype!r}: use --kv-dtype {'/'.join(DTYPE_BYTES)}")
+    return size
+
+
+def _int(cfg: dict[str, Any], key: str, source: str) -> int:
+    value = cfg.get(key)
+    if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{source}: needs a positive integer {key!r}, got {value!r}")
+    return value
