@@ -60,7 +60,7 @@ def test_kv_dtype_override() -> None:
 
 
 def test_unknown_preset_lists_the_known_ones() -> None:
-    with pytest.raises(ValueError, match="unknown model 'gpt-5'.*llama-3.1-8b.*gpt-oss-20b"):
+    with pytest.raises(ValueError, match=r"unknown model 'gpt-5'.*llama-3.1-8b.*gpt-oss-20b"):
         resolve_model("gpt-5")
     assert len(PRESETS) >= 6
 

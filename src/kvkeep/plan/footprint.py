@@ -95,7 +95,7 @@ PRESETS: dict[str, tuple[dict[str, Any], str]] = {
         num_key_value_heads=8,
         hidden_size=4096,
         torch_dtype="bfloat16",
-    ),  # fmt: skip
+    ),
     "llama-3.1-70b": _hf(
         "meta-llama/Llama-3.1-70B-Instruct",
         num_hidden_layers=80,
@@ -103,7 +103,7 @@ PRESETS: dict[str, tuple[dict[str, Any], str]] = {
         num_key_value_heads=8,
         hidden_size=8192,
         torch_dtype="bfloat16",
-    ),  # fmt: skip
+    ),
     "qwen2.5-coder-7b": _hf(
         "Qwen/Qwen2.5-Coder-7B-Instruct",
         num_hidden_layers=28,
@@ -113,7 +113,7 @@ PRESETS: dict[str, tuple[dict[str, Any], str]] = {
         sliding_window=131072,
         use_sliding_window=False,
         torch_dtype="bfloat16",
-    ),  # fmt: skip
+    ),
     "qwen2.5-coder-32b": _hf(
         "Qwen/Qwen2.5-Coder-32B-Instruct",
         num_hidden_layers=64,
@@ -123,7 +123,7 @@ PRESETS: dict[str, tuple[dict[str, Any], str]] = {
         sliding_window=131072,
         use_sliding_window=False,
         torch_dtype="bfloat16",
-    ),  # fmt: skip
+    ),
     "qwen3-32b": _hf(
         "Qwen/Qwen3-32B",
         num_hidden_layers=64,
@@ -133,7 +133,7 @@ PRESETS: dict[str, tuple[dict[str, Any], str]] = {
         hidden_size=5120,
         use_sliding_window=False,
         torch_dtype="bfloat16",
-    ),  # fmt: skip
+    ),
     "qwen3-coder-30b-a3b": _hf(
         "Qwen/Qwen3-Coder-30B-A3B-Instruct",
         num_hidden_layers=48,
@@ -143,7 +143,7 @@ PRESETS: dict[str, tuple[dict[str, Any], str]] = {
         hidden_size=2048,
         use_sliding_window=False,
         torch_dtype="bfloat16",
-    ),  # fmt: skip
+    ),
     "mistral-small-24b": _hf(
         "mistralai/Mistral-Small-24B-Instruct-2501",
         num_hidden_layers=40,
@@ -153,7 +153,7 @@ PRESETS: dict[str, tuple[dict[str, Any], str]] = {
         hidden_size=5120,
         sliding_window=None,
         torch_dtype="bfloat16",
-    ),  # fmt: skip
+    ),
     "gemma-3-27b": _hf(
         "google/gemma-3-27b-it",
         num_hidden_layers=62,
@@ -164,7 +164,7 @@ PRESETS: dict[str, tuple[dict[str, Any], str]] = {
         sliding_window=1024,
         sliding_window_pattern=6,
         torch_dtype="bfloat16",
-    ),  # fmt: skip
+    ),
     "gpt-oss-20b": _hf(
         "openai/gpt-oss-20b",
         num_hidden_layers=24,
@@ -175,7 +175,7 @@ PRESETS: dict[str, tuple[dict[str, Any], str]] = {
         sliding_window=128,
         layer_types=["sliding_attention", "full_attention"] * 12,
         torch_dtype="bfloat16",
-    ),  # fmt: skip
+    ),
     "gpt-oss-120b": _hf(
         "openai/gpt-oss-120b",
         num_hidden_layers=36,
@@ -186,7 +186,7 @@ PRESETS: dict[str, tuple[dict[str, Any], str]] = {
         sliding_window=128,
         layer_types=["sliding_attention", "full_attention"] * 18,
         torch_dtype="bfloat16",
-    ),  # fmt: skip
+    ),
     "deepseek-v3": _hf(
         "deepseek-ai/DeepSeek-V3",
         num_hidden_layers=61,
@@ -196,7 +196,7 @@ PRESETS: dict[str, tuple[dict[str, Any], str]] = {
         qk_rope_head_dim=64,
         hidden_size=7168,
         torch_dtype="bfloat16",
-    ),  # fmt: skip
+    ),
     "kvkeep-tiny": (
         {
             "num_hidden_layers": 4,
@@ -207,7 +207,7 @@ PRESETS: dict[str, tuple[dict[str, Any], str]] = {
             "torch_dtype": "bfloat16",
         },
         "kvkeep.model.TinyModelSpec defaults (`kvkeep model tiny DIR`)",
-    ),  # fmt: skip
+    ),
 }
 
 
