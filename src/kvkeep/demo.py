@@ -18,10 +18,13 @@ import httpx
 from kvkeep.bench import report
 from kvkeep.bench.launch import LaunchConfig, LaunchError
 from kvkeep.bench.scenarios import Scenario, SessionScenario, TTFTScenario, parse_modes, run_modes
-from kvkeep.bench.workload import DEFAULT_SCALE, HFTokenizer, SessionSpec
+from kvkeep.bench.workload import HFTokenizer, SessionSpec
 from kvkeep.model import TinyModelSpec, write_tiny_model
 
 DEMO_TTFT_SIZES = (2048, 8192)
+# Smaller than the bench's default scale so that both modes, two vLLM starts and the TTFT
+# scenario fit in about 5 minutes on 2 cores.
+DEMO_SCALE = 0.25
 
 
 def main(argv: list[str]) -> int:
@@ -29,7 +32,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--model", type=Path, default=Path(".cache/tiny-model"))
     p.add_argument("--out", type=Path, default=Path("kvkeep-report"))
     p.add_argument("--modes", type=parse_modes, default=["none", "vllm"])
-    p.add_argument("--scale", type=float, default=DEFAULT_SCALE)
+    p.add_argument("--scale", type=float, default=DEMO_SCALE)
     args = p.parse_args(argv)
     if not (args.model / "config.json").is_file():
         print(f"generating the tiny model in {args.model}", file=sys.stderr)
