@@ -30,6 +30,9 @@ COMMANDS: dict[str, Route] = {
 BENCHES: dict[str, Route] = {
     "session": Route("kvkeep.bench.scenarios", "the study's 30-turn coding-agent session (S1)"),
     "ttft": Route("kvkeep.bench.scenarios", "one long prompt cold, then repeated (S2)"),
+    "capacity": Route("kvkeep.bench.capacity", "more documents than the device pool (S3)"),
+    "agents": Route("kvkeep.bench.agents", "N concurrent closed-loop agents (S5)"),
+    "hol": Route("kvkeep.bench.hol", "a cached request beside a large prefill (S6)"),
     "store": Route("kvkeep.bench.store_bench", "cache-server and tier bandwidth"),
 }
 

@@ -1,0 +1,167 @@
+"""`kvkeep bench capacity` (S3): more long documents than the device pool holds.
+
+N documents whose KV totals `k` times the device pool are queried in tile order (1, 2, ...,
+N, 1, 2, ...) for several rounds, each query being the document plus a short question. Under
+LRU a cyclic scan larger than the cache never hits: the device tier's hit rate falls to 0,
+which is what the study saw with 48 documents on one GPU. A larger tier below it (vLLM's CPU
+offload there, kvkeep's RAM and disk here) brings the hits back.
+
+The first round only fills the caches and is not measured. Documents are whole blocks long,
+so a perfect cache serves every document token (`cacheable_tokens`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+from kvkeep.bench.probe import Probe, cacheable_tokens, hit_split
+from kvkeep.bench.runner import complete_ids, discover_model
+
+QUESTION_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class CapacitySpec:
+    """`pool_blocks` is the device pool; documents total `k` times it."""
+
+    pool_blocks: int = 256
+    k: float = 4.0
+    doc_tokens: int = 4096
+    rounds: int = 3
+    block_size: int = 128
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.rounds < 2:
+            raise ValueError("--rounds must be at least 2: the first round only warms up")
+        if self.doc_tokens % self.block_size:
+            raise ValueError(f"--doc-tokens must be a multiple of the block size {self.block_size}")
+        if self.doc_tokens + QUESTION_TOKENS > self.pool_blocks * self.block_size:
+            raise ValueError("--doc-tokens must fit in the device pool (--pool-blocks)")
+        if self.k <= 0:
+            raise ValueError("-k must be positive")
+
+    @property
+    def num_docs(self) -> int:
+        return math.ceil(self.k * self.pool_blocks * self.block_size / self.doc_tokens)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.doc_tokens + QUESTION_TOKENS + 64
+
+
+def documents(spec: CapacitySpec) -> list[list[int]]:
+    """`num_docs` distinct token-id documents (deterministic in the seed)."""
+    rng = random.Random(f"kvkeep-capacity:{spec.seed}")
+    return [
+        [rng.randrange(100, 1000) for _ in range(spec.doc_tokens)] for _ in range(spec.num_docs)
+    ]
+
+
+@dataclass
+class CapacityScenario:
+    spec: CapacitySpec
+    probe_stats: Any = None  # a TierStats callable, set by the deployment when kvkeep runs
+    name: str = "capacity"
+
+    def tokens_needed(self) -> int:
+        return self.spec.max_model_len
+
+    def run(self, url: str) -> dict[str, Any]:
+        self.spec.validate()
+        return asyncio.run(self._run(Probe(url, self.probe_stats)))
+
+    async def _run(self, probe: Probe) -> dict[str, Any]:
+        docs = documents(self.spec)
+        rounds: list[dict[str, Any]] = []
+        async with httpx.AsyncClient() as client:
+            model = await discover_model(client, probe.url)
+            total = len(docs) * self.spec.rounds
+            with tqdm(total=total, desc="  capacity queries", leave=False) as bar:
+                for r in range(self.spec.rounds):
+                    rounds.append(await self._round(client, model, probe, docs, r, bar))
+        measured = rounds[1:]
+        return {
+            **_merge(measured),
+            "rounds": rounds,
+            "num_docs": len(docs),
+            "doc_tokens": self.spec.doc_tokens,
+            "pool_blocks": self.spec.pool_blocks,
+            "k": self.spec.k,
+        }
+
+    async def _round(self, client, model, probe, docs, r, bar) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+        before = probe.snapshot()
+        ttfts: list[float] = []
+        cacheable = 0
+        t0 = time.perf_counter()
+        for i, doc in enumerate(docs):
+            question = [10 + (r * 7 + i + j) % 90 for j in range(QUESTION_TOKENS)]
+            s = await complete_ids(client, probe.url, model, doc + question)
+            ttfts.append(s.ttft_s)
+            cacheable += cacheable_tokens(s.prompt_tokens, self.spec.block_size)
+            bar.update()
+        delta = probe.delta(before)
+        return {
+            "round": r,
+            **hit_split(delta, cacheable, self.spec.block_size),
+            "ttft_s": sum(ttfts) / len(ttfts),
+            "ttft_p50_s": sorted(ttfts)[len(ttfts) // 2],
+            "cacheable_tokens": cacheable,
+            "wall_s": time.perf_counter() - t0,
+        }
+
+
+def _merge(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Measured rounds combined: rates weighted by cacheable tokens, TTFT averaged."""
+    weight = sum(r["cacheable_tokens"] for r in rounds)
+    rate_keys = [k for k in rounds[0] if k.endswith("hit_rate")]
+    out: dict[str, Any] = {
+        k: sum(r[k] * r["cacheable_tokens"] for r in rounds) / weight for k in rate_keys
+    }
+    out["ttft_s"] = sum(r["ttft_s"] for r in rounds) / len(rounds)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    """`kvkeep bench capacity`: S3 per cache mode."""
+    import argparse
+    import sys
+    from dataclasses import replace
+
+    from kvkeep.bench import scenarios as sc
+
+    p = argparse.ArgumentParser(prog="kvkeep bench capacity", description=__doc__.splitlines()[0])
+    sc.add_common_args(p)
+    d = CapacitySpec()
+    p.add_argument(
+        "--pool-blocks",
+        type=int,
+        default=d.pool_blocks,
+        help="device KV pool in blocks (--num-gpu-blocks-override)",
+    )
+    p.add_argument("-k", type=float, default=d.k, help="documents total k times the pool")
+    p.add_argument("--doc-tokens", type=int, default=d.doc_tokens)
+    p.add_argument("--rounds", type=int, default=d.rounds)
+    p.add_argument("--block-size", type=int, default=d.block_size)  # fmt: skip
+    args = p.parse_args(argv[1:])
+    spec = CapacitySpec(args.pool_blocks, args.k, args.doc_tokens, args.rounds, args.block_size)
+    try:
+        spec.validate()
+        base = sc.launch_config(args)
+        if base is not None:
+            base = replace(base, num_blocks=spec.pool_blocks, max_model_len=spec.max_model_len)
+        by = sc.run_modes([CapacityScenario(spec)], args.modes, base, args.endpoint)
+    except (ValueError, RuntimeError, httpx.HTTPError) as exc:
+        print(f"kvkeep bench capacity: {exc}", file=sys.stderr)
+        return 1
+    sc.write_outputs({"scenario": "capacity", "modes": by["capacity"]}, args)
+    return 0
