@@ -5,6 +5,9 @@ engine with only the cache configuration changed:
 
 - `none`:  prefix caching off; every prompt token is computed every turn.
 - `vllm`:  vLLM's own prefix cache in the engine's KV pool (its default).
+- `kvkeep`: vLLM's prefix cache plus the kvkeep connector and cache server (RAM tier). The
+  launcher reuses the cache server at `LaunchConfig.cache_socket`, or starts a private one for
+  the vLLM server's lifetime; a server started by `cache_server()` outlives vLLM restarts.
 
 Everything else is pinned identically across modes. In particular the CPU build reserves one
 more core per worker as soon as any KV connector is configured, which on a 2-core machine
@@ -19,16 +22,20 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
+
+from kvkeep.serve import CacheServerConfig, CacheServerProcess, kv_transfer_args
 
 SERVED_MODEL_NAME = "kvkeep-tiny"
 LOG_TAIL_LINES = 30
@@ -50,6 +57,7 @@ class ModeSpec:
 MODES: dict[str, ModeSpec] = {
     "none": ModeSpec("none", "no cache: prefix caching off", ("--no-enable-prefix-caching",)),
     "vllm": ModeSpec("vllm", "vLLM's own prefix cache (in the engine KV pool)", ()),
+    "kvkeep": ModeSpec("kvkeep", "vLLM's prefix cache + kvkeep connector and cache server", ()),
 }
 
 # Hooks that turn a mode into extra arguments at launch time (e.g. a connector that needs the
@@ -73,6 +81,9 @@ class LaunchConfig:
     ready_timeout_s: float = 300.0
     extra_args: tuple[str, ...] = ()
     extra_env: tuple[tuple[str, str], ...] = field(default=())
+    # Mode kvkeep: the cache server's socket (None: start a private one with cache_ram).
+    cache_socket: str | None = None
+    cache_ram: str = "2GiB"
 
     def validate(self) -> None:
         """Raise ValueError naming the setting to change."""
@@ -136,6 +147,31 @@ def build_command(cfg: LaunchConfig, port: int) -> tuple[list[str], dict[str, st
     return argv, env
 
 
+def _kvkeep_hook(cfg: LaunchConfig) -> tuple[list[str], dict[str, str]]:
+    if cfg.cache_socket is None:
+        raise ValueError("mode kvkeep needs a cache server socket (LaunchConfig.cache_socket)")
+    return kv_transfer_args(cfg.cache_socket), {}
+
+
+MODE_HOOKS["kvkeep"] = _kvkeep_hook
+
+
+@contextlib.contextmanager
+def cache_server(ram: str = "2GiB", socket_path: str | None = None) -> Iterator[str]:
+    """A kvkeep cache server for the block: reuses one listening on ``socket_path``, or starts
+    a private one (state in a temporary directory, removed afterwards). Yields its socket."""
+    if socket_path is not None:
+        yield socket_path
+        return
+    directory = Path(tempfile.mkdtemp(prefix="kvkeep-"))
+    proc = CacheServerProcess(CacheServerConfig(directory, ram=ram))
+    try:
+        yield proc.ensure().cfg.socket_path
+    finally:
+        proc.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def _gib_arg(gib: float) -> str:
     return str(int(gib)) if float(gib).is_integer() else str(gib)
 
@@ -151,6 +187,7 @@ class VLLMServer:
         self.log_path = cfg.log_dir / f"vllm-{cfg.mode}-{self.port}.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.ready_s: float | None = None
+        self._cache: contextlib.ExitStack | None = None
 
     @property
     def pid(self) -> int | None:
@@ -158,6 +195,10 @@ class VLLMServer:
 
     def start(self) -> VLLMServer:
         """Start vLLM and block until `/v1/models` answers. Raises LaunchError on failure."""
+        if self.cfg.mode == "kvkeep" and self.cfg.cache_socket is None:
+            self._cache = contextlib.ExitStack()
+            socket_path = self._cache.enter_context(cache_server(self.cfg.cache_ram))
+            self.cfg = replace(self.cfg, cache_socket=socket_path)
         argv, env = build_command(self.cfg, self.port)
         self.cfg.log_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
@@ -203,7 +244,16 @@ class VLLMServer:
         )
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        """Stop the server and its children: SIGTERM to its group, SIGKILL after timeout_s."""
+        """Stop the server and its children: SIGTERM to its group, SIGKILL after timeout_s.
+        A private cache server (mode kvkeep) is stopped after vLLM."""
+        try:
+            self._stop_vllm(timeout_s)
+        finally:
+            if self._cache is not None:
+                self._cache.close()
+                self._cache = None
+
+    def _stop_vllm(self, timeout_s: float) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
         pgid = self.proc.pid  # start_new_session made it a group leader

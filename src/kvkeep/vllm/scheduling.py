@@ -1,0 +1,309 @@
+"""The connector's decisions and bookkeeping, free of vllm: what to claim, load and save.
+
+The scheduler side of the connector feeds this module plain values (token ids, block ids,
+token counts) and ships the ``StepPlan`` it returns to the workers. Everything here is
+deterministic and testable without an engine.
+
+Block arithmetic, with ``bs`` the block size and ``local`` vLLM's own (block-aligned)
+prefix-cache hit::
+
+    prompt tokens   |<------------------------- num_tokens -------------------------->|
+    blocks          [0 .. local_blocks)[local_blocks .. limit)[limit .. ]
+                     vLLM has these     kvkeep may supply      vLLM computes these
+    limit = (num_tokens - 1) // bs     -> at least one token is always left to compute,
+                                          because a synchronous load that covers the whole
+                                          prompt trips vLLM's ``num_new_tokens > 0`` assert.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from kvkeep.keys import BlockKey, Namespace, chain_keys
+
+# --- configuration ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """``kv_connector_extra_config``, validated. Unknown keys are refused, not ignored.
+
+    ``socket`` is the cache server's unix socket; ``timeout_s`` bounds every RPC (the scheduler
+    waits at most this long on a LOOKUP); ``max_backoff_s`` caps the reconnect backoff.
+    """
+
+    socket: str
+    timeout_s: float = 1.0
+    max_backoff_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not self.socket:
+            raise ValueError("kv_connector_extra_config.socket: give the cache server's socket")
+        if not 0 < self.timeout_s <= 60:
+            raise ValueError(f"timeout_s must lie in (0, 60] seconds, got {self.timeout_s}")
+        if not 0 < self.max_backoff_s <= 600:
+            raise ValueError(f"max_backoff_s must lie in (0, 600], got {self.max_backoff_s}")
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any]) -> ConnectorConfig:
+        """Build from vLLM's free-form dict; raises ValueError naming what to change."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}"
+            )
+        if "socket" not in extra:
+            raise ValueError("kv_connector_extra_config needs 'socket' (the cache server's)")
+        numbers = {k: float(v) for k, v in extra.items() if k != "socket"}
+        return cls(socket=str(extra["socket"]), **numbers)
+
+
+# --- what travels to the workers ------------------------------------------------------------
+
+
+class BlockTransfer(NamedTuple):
+    """Copy engine block ``block_id`` from/to the cached block ``key``."""
+
+    block_id: int
+    key: BlockKey
+
+
+class RequestLoad(NamedTuple):
+    """The blocks one request loads, in chain order (a miss ends the usable prefix)."""
+
+    req_id: str
+    blocks: tuple[BlockTransfer, ...]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's work for every worker: pickled into the connector metadata, so small.
+
+    ``namespace`` is the rank-0 namespace; a worker of TP rank r stores under the same
+    namespace with ``tp_rank=r`` (the scheduler looks up rank 0's blocks only).
+    """
+
+    namespace: Namespace
+    loads: tuple[RequestLoad, ...] = ()
+    saves: tuple[BlockTransfer, ...] = ()
+
+    @property
+    def num_load_blocks(self) -> int:
+        return sum(len(r.blocks) for r in self.loads)
+
+
+# --- claims -------------------------------------------------------------------------------
+
+
+class ClaimRange(NamedTuple):
+    """Blocks ``[first, limit)`` kvkeep may supply; empty when ``first >= limit``."""
+
+    first: int
+    limit: int
+
+    @property
+    def empty(self) -> bool:
+        return self.first >= self.limit
+
+
+def claim_range(num_tokens: int, num_computed_tokens: int, block_size: int) -> ClaimRange:
+    """The blocks beyond vLLM's local hit that kvkeep may claim. Pure.
+
+    A local hit that ends mid-block gets no claim (vLLM passes aligned values; anything else
+    is a case we do not reason about). ``limit`` leaves at least one token to compute.
+    """
+    if num_computed_tokens % block_size:
+        return ClaimRange(0, 0)
+    first = num_computed_tokens // block_size
+    limit = max(num_tokens - 1, 0) // block_size
+    return ClaimRange(first, max(first, limit))
+
+
+class Match(NamedTuple):
+    """A cached answer to "how many tokens can kvkeep supply" for one admission attempt."""
+
+    num_computed_tokens: int
+    num_tokens: int
+    num_blocks: int  # blocks kvkeep has from ``num_computed_tokens // block_size`` on
+
+
+# --- per-request bookkeeping ----------------------------------------------------------------
+
+
+@dataclass
+class _Tracked:
+    """A running request: its keys so far, engine block table, and the save frontier.
+
+    Invariant: blocks ``[0, saved)`` need no save (vLLM had them, kvkeep loaded them, or
+    they were planned for saving already).
+    """
+
+    root: BlockKey
+    keys: list[BlockKey]
+    block_ids: list[int] = field(default_factory=list)
+    saved: int = 0
+
+
+class RequestBook:
+    """The scheduler side's memory of requests, between vLLM's callbacks. Not thread-safe
+    (vLLM's scheduler is single-threaded)."""
+
+    def __init__(self, namespace: Namespace) -> None:
+        self.namespace = namespace
+        self.block_size = namespace.block_size
+        self._roots: dict[str | None, BlockKey] = {}
+        self._keys: dict[str, tuple[BlockKey, list[BlockKey]]] = {}
+        self._matches: dict[str, Match] = {}
+        self._tracked: dict[str, _Tracked] = {}
+        self._loads: list[RequestLoad] = []
+
+    # keys ---------------------------------------------------------------------------------
+
+    def root_for(self, cache_salt: str | None) -> BlockKey:
+        """The chain root of requests with this salt (memoised; pure function of inputs)."""
+        if cache_salt not in self._roots:
+            ns = dataclasses.replace(self.namespace, cache_salt=cache_salt)
+            self._roots[cache_salt] = ns.root_key()
+        return self._roots[cache_salt]
+
+    def keys_for(self, req_id: str, tokens: Sequence[int], salt: str | None) -> list[BlockKey]:
+        """Keys of every full block of ``tokens``, extending a memoised chain. Idempotent:
+        a request's tokens only ever grow, so the memo's keys stay valid."""
+        root = self.root_for(salt)
+        memo = self._keys.get(req_id)
+        if memo is None or memo[0] != root:
+            memo = (root, [])
+            self._keys[req_id] = memo
+        keys = memo[1]
+        done = len(keys) * self.block_size
+        if len(tokens) - done >= self.block_size:
+            parent = keys[-1] if keys else None
+            keys += chain_keys(root, tokens[done:], self.block_size, parent=parent)
+        return keys
+
+    # admission ----------------------------------------------------------------------------
+
+    def cached_match(self, req_id: str, num_computed: int, num_tokens: int) -> Match | None:
+        """The answer given before for exactly these inputs, if any. No side effects."""
+        match = self._matches.get(req_id)
+        if match is None or match[:2] != (num_computed, num_tokens):
+            return None
+        return match
+
+    def remember_match(self, req_id: str, match: Match) -> None:
+        self._matches[req_id] = match
+
+    def on_alloc(
+        self,
+        req_id: str,
+        tokens: Sequence[int],
+        salt: str | None,
+        block_ids: Sequence[int],
+        num_external_tokens: int,
+    ) -> RequestLoad | None:
+        """Start (or restart, after preemption) tracking a request whose slots vLLM just
+        allocated; queue its load for the next plan. Returns the load, if any.
+
+        ``block_ids`` is the request's whole block table. The external blocks sit right after
+        the local hit remembered by the last ``remember_match`` (0 if none).
+        """
+        match = self._matches.pop(req_id, None)
+        local = match.num_computed_tokens // self.block_size if match else 0
+        external = num_external_tokens // self.block_size
+        keys = self.keys_for(req_id, tokens, salt)
+        self._tracked[req_id] = _Tracked(
+            self.root_for(salt), keys, list(block_ids), saved=local + external
+        )
+        if external == 0:
+            return None
+        span = range(local, local + external)
+        load = RequestLoad(req_id, tuple(BlockTransfer(block_ids[i], keys[i]) for i in span))
+        self._loads.append(load)
+        return load
+
+    # every step ----------------------------------------------------------------------------
+
+    def update_blocks(self, req_id: str, block_ids: Sequence[int], replace: bool) -> None:
+        """Record blocks vLLM allocated for a later chunk or decode (``replace`` for a
+        resumed request, whose list is the whole table). Unknown requests are ignored."""
+        tracked = self._tracked.get(req_id)
+        if tracked is None:
+            return
+        if replace:
+            tracked.block_ids = list(block_ids)
+        else:
+            tracked.block_ids.extend(block_ids)
+
+    def saves_after(
+        self, req_id: str, num_computed_after: int, tokens: Sequence[int], salt: str | None
+    ) -> list[BlockTransfer]:
+        """Blocks that will be full once this step's forward has run, and are not yet saved;
+        advances the save frontier past them. Works the same for every prefill chunk and for
+        decode: a block is saved in the step that completes it, exactly once."""
+        tracked = self._tracked.get(req_id)
+        if tracked is None:
+            return []
+        full = min(num_computed_after, len(tokens)) // self.block_size
+        full = min(full, len(tracked.block_ids))
+        if full <= tracked.saved:
+            return []
+        keys = self.keys_for(req_id, tokens[: full * self.block_size], salt)
+        span = range(tracked.saved, full)
+        tracked.saved = full
+        return [BlockTransfer(tracked.block_ids[i], keys[i]) for i in span]
+
+    def take_plan(self, saves: Sequence[BlockTransfer]) -> StepPlan:
+        """This step's plan; drains the queued loads (each load is shipped exactly once)."""
+        loads, self._loads = tuple(self._loads), []
+        return StepPlan(self.namespace, loads, tuple(saves))
+
+    def finish(self, req_id: str) -> None:
+        """Forget a finished or aborted request. Idempotent."""
+        self._tracked.pop(req_id, None)
+        self._keys.pop(req_id, None)
+        self._matches.pop(req_id, None)
+
+    def tracking(self, req_id: str) -> bool:
+        return req_id in self._tracked
+
+    def __len__(self) -> int:
+        return len(self._tracked)
+
+
+# --- counters ------------------------------------------------------------------------------
+
+COUNTER_NAMES = (
+    "lookups",
+    "lookup_failures",
+    "offered_tokens",
+    "loaded_tokens",
+    "load_failed_tokens",
+    "saved_tokens",
+    "save_failures",
+    "load_s",
+    "save_s",
+)
+
+
+@dataclass
+class Counters:
+    """kvkeep's own count of what the connector did; merged across workers by addition."""
+
+    values: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COUNTER_NAMES, 0))
+
+    def add(self, name: str, amount: float) -> None:
+        self.values[name] = self.values.get(name, 0) + amount
+
+    def merge(self, other: Mapping[str, float]) -> None:
+        for name, amount in other.items():
+            self.add(name, amount)
+
+    def take(self) -> dict[str, float] | None:
+        """The non-zero counts since the last take, and reset; None if nothing happened."""
+        data = {k: v for k, v in self.values.items() if v}
+        self.values = dict.fromkeys(COUNTER_NAMES, 0)
+        return data or None
