@@ -33,6 +33,8 @@ BENCHES: dict[str, Route] = {
     "capacity": Route("kvkeep.bench.capacity", "more documents than the device pool (S3)"),
     "agents": Route("kvkeep.bench.agents", "N concurrent closed-loop agents (S5)"),
     "hol": Route("kvkeep.bench.hol", "a cached request beside a large prefill (S6)"),
+    "restart": Route("kvkeep.bench.restart", "hits and TTFT after vLLM and cache restarts (S4)"),
+    "all": Route("kvkeep.bench.all", "S1-S6 side by side: report.md, report.html, plots"),
     "store": Route("kvkeep.bench.store_bench", "cache-server and tier bandwidth"),
 }
 

@@ -135,11 +135,81 @@ def hol_table(doc: dict[str, Any]) -> str:
     return head + _table(["mode", "alone", "beside prefill", "ratio", "prefill budget"], rows)
 
 
+def restart_table(doc: dict[str, Any]) -> str:
+    rows = [
+        [m, _s(r.get("cold_ttft_s")), _s(r.get("warm_ttft_s")),
+         _pct(r.get("after_engine_restart_hit_rate")), _s(r.get("after_engine_restart_ttft_s")),
+         _pct(r.get("after_server_restart_hit_rate")), _s(r.get("after_server_sigkill_ttft_s")),
+         _s(r.get("restart_ready_s"))]
+        for m, r in doc["modes"].items()
+    ]  # fmt: skip
+    head = (
+        "### S4: after a restart\n\n"
+        "Study: native caching is cold again; LMCache 99.9% hits at 141 ms, but restarts "
+        "20-30 s slower.\n\n"
+    )
+    header = ["mode", "cold", "warm", "hits after vLLM restart", "TTFT", "hits after cache "
+              "server restart (SIGTERM, SIGKILL)", "TTFT", "vLLM restart to ready"]  # fmt: skip
+    return head + _table(header, rows)
+
+
+def _get(doc: dict[str, Any], scenario: str, mode: str, *path: str) -> Any:
+    node: Any = scenarios(doc).get(scenario, {}).get("modes", {}).get(mode)
+    for key in path:
+        if not isinstance(node, dict):
+            return None
+        node = node.get(key)
+    return node
+
+
+def claims_table(doc: dict[str, Any]) -> str:
+    """One row per claim of the study: its figure, then each mode measured in this run."""
+    modes = list(next(iter(scenarios(doc).values()))["modes"])
+    big = max((int(s) for s in (_get(doc, "ttft", modes[0], "sizes") or {"0": 0})), default=0)
+    rows_spec: list[tuple[str, str, Callable[[str], str]]] = [
+        ("S1 last turn: tokens computed", "115k -> <=10k",
+         lambda m: _int(_get(doc, "session", m, "last_turn_computed_tokens"))),
+        ("S1 session: tokens computed in total", ">2M -> ~145k",
+         lambda m: _int(_get(doc, "session", m, "total_computed_tokens"))),
+        ("S1 prompt / computed", "14x", lambda m: _x(_get(doc, "session", m, "reread_ratio"))),
+        (f"S2 TTFT, {big:,}-token prompt again", "1.35 s -> ~120 ms",
+         lambda m: _s(_get(doc, "ttft", m, "sizes", str(big), "warm_s"))),
+        ("S3 device hit rate, docs 4x pool", "0%",
+         lambda m: _pct(_get(doc, "capacity", m, "device_hit_rate"))),
+        ("S3 hit rate, all tiers", ">99% (offload)",
+         lambda m: _pct(_get(doc, "capacity", m, "hit_rate"))),
+        ("S3 TTFT", "164 ms", lambda m: _s(_get(doc, "capacity", m, "ttft_s"))),
+        ("S4 hit rate after vLLM restart", "0% native, 99.9% LMCache",
+         lambda m: _pct(_get(doc, "restart", m, "after_engine_restart_hit_rate"))),
+        ("S4 TTFT after vLLM restart", "141 ms (LMCache)",
+         lambda m: _s(_get(doc, "restart", m, "after_engine_restart_ttft_s"))),
+        ("S4 hit rate after cache-server restart", "(not measured)",
+         lambda m: _pct(_get(doc, "restart", m, "after_server_restart_hit_rate"))),
+        ("S4 vLLM restart to ready", "+20-30 s with LMCache",
+         lambda m: _s(_get(doc, "restart", m, "restart_ready_s"))),
+        ("S5 turns/min, agents > pool", "~8 -> ~60",
+         lambda m: _f1(_get(doc, "agents", m, "turns_per_min"))),
+        ("S5 late-turn wait", "104 s -> 2.1 s",
+         lambda m: _s(_get(doc, "agents", m, "late_turn_wait_s"))),
+        ("S6 cached TTFT beside a big prefill / alone", "'still waits'",
+         lambda m: _x(_get(doc, "hol", m, "ratio"))),
+    ]  # fmt: skip
+    rows = [[claim, study, *(fmt(m) for m in modes)] for claim, study, fmt in rows_spec]
+    head = "## The study's claims, measured side by side\n\n"
+    return head + _table(["claim", "study", *modes], rows)
+
+
+def _f1(v: Any) -> str:
+    return "-" if v is None else f"{float(v):.1f}"
+
+
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
+    "restart": restart_table,
     "session": session_table,
     "ttft": ttft_table,
     "capacity": capacity_table,
     "agents": agents_table,
+    "agents_fit": agents_table,
     "hol": hol_table,
 }
 
@@ -147,6 +217,8 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
 def markdown(doc: dict[str, Any]) -> str:
     """The report's tables, one section per scenario, as Markdown."""
     parts = [TABLES[name](d) for name, d in scenarios(doc).items() if name in TABLES]
+    if "scenarios" in doc and len(parts) > 2:
+        parts.insert(0, claims_table(doc))
     return "\n\n".join(parts) + "\n"
 
 
@@ -254,7 +326,23 @@ def plot_agents(doc: dict[str, Any], out: Path) -> list[Path]:
                      "S5: agents' turns per minute, by mode")  # fmt: skip
 
 
+def plot_restart(doc: dict[str, Any], out: Path) -> list[Path]:
+    modes = list(doc["modes"])
+    phases = {
+        "cold": "cold_ttft_s",
+        "warm": "warm_ttft_s",
+        "after vLLM restart": "after_engine_restart_ttft_s",
+        "after cache-server SIGKILL": "after_server_sigkill_ttft_s",
+    }
+    series = {
+        label: [doc["modes"][m].get(key) or 0.0 for m in modes] for label, key in phases.items()
+    }
+    return _bar_plot(out / "ttft_after_restart.png", modes, series, "TTFT (s)",
+                     "S4: time to first token around restarts")  # fmt: skip
+
+
 PLOTS: dict[str, Callable[[dict[str, Any], Path], list[Path]]] = {
+    "restart": plot_restart,
     "session": plot_session,
     "ttft": plot_ttft,
     "capacity": plot_capacity,
@@ -273,4 +361,47 @@ def write_report(doc: dict[str, Any], out: Path) -> list[Path]:
     body = "# kvkeep bench report\n\n" + markdown(doc)
     body += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plots) + "\n"
     (out / "report.md").write_text(body)
-    return [out / "report.md", out / "results.json", *plots]
+    (out / "report.html").write_text(html(body, plots))
+    return [out / "report.md", out / "results.json", out / "report.html", *plots]
+
+
+def html(markdown_text: str, plots: list[Path]) -> str:
+    """A single self-contained page: the report's tables and the plots embedded as data URIs."""
+    import base64
+    import html as h
+
+    parts = []
+    for block in markdown_text.split("\n\n"):
+        lines = block.strip().splitlines()
+        if not lines or lines[0].startswith("!["):
+            continue
+        if lines[0].startswith("|"):
+            parts.append(_html_table(lines))
+        elif lines[0].startswith("#"):
+            level = len(lines[0]) - len(lines[0].lstrip("#"))
+            parts.append(f"<h{level}>{h.escape(lines[0].lstrip('# '))}</h{level}>")
+        else:
+            parts.append(f"<p>{h.escape(' '.join(lines))}</p>")
+    for p in plots:
+        data = base64.b64encode(p.read_bytes()).decode()
+        parts.append(f'<figure><img alt="{p.stem}" src="data:image/png;base64,{data}"></figure>')
+    style = (
+        "body{font-family:sans-serif;max-width:1100px;margin:2em auto}"
+        "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:4px 8px}"
+        "img{max-width:100%}"
+    )
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>kvkeep bench report</title>"
+        f"<style>{style}</style></head><body>{''.join(parts)}</body></html>\n"
+    )
+
+
+def _html_table(lines: list[str]) -> str:
+    import html as h
+
+    cells = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in lines]
+    head, rows = cells[0], [r for r in cells[2:]]
+    out = "<table><tr>" + "".join(f"<th>{h.escape(c)}</th>" for c in head) + "</tr>"
+    for r in rows:
+        out += "<tr>" + "".join(f"<td>{h.escape(c)}</td>" for c in r) + "</tr>"
+    return out + "</table>"

@@ -1,0 +1,240 @@
+"""`kvkeep bench restart` (S4): what a cache is worth after a restart.
+
+Per mode: warm up on a set of long documents, restart vLLM, and query them again. vLLM's own
+prefix cache lives in the engine and starts cold again; kvkeep's cache server outlives the
+engine. For kvkeep the cache server itself is then restarted, once with SIGTERM (it flushes)
+and once with SIGKILL (it may lose writes in flight, never integrity), and the documents are
+queried again with vLLM's device cache emptied first (`/reset_prefix_cache`), so the hits can
+only come from kvkeep's disk tier.
+
+Restart-to-ready time (from stopping vLLM to its API answering again) is measured for every
+mode in the same run: the study saw LMCache add 20-30 s to a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvkeep.bench.launch import LaunchConfig, VLLMServer
+from kvkeep.bench.probe import Probe, cacheable_tokens, hit_split
+from kvkeep.bench.runner import complete_ids, discover_model
+from kvkeep.serve import CacheServerConfig, CacheServerProcess
+
+QUESTION_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class RestartSpec:
+    docs: int = 4
+    doc_tokens: int = 8192
+    block_size: int = 128
+    cache_ram: str = "1GiB"
+    cache_disk: str = "2GiB"
+    seed: int = 0
+
+    @property
+    def max_model_len(self) -> int:
+        return self.doc_tokens + QUESTION_TOKENS + 64
+
+
+class Cache:
+    """The kvkeep cache server of one run, with the restarts the scenario needs."""
+
+    def __init__(self, spec: RestartSpec, directory: Path) -> None:
+        self.proc = CacheServerProcess(
+            CacheServerConfig(directory, ram=spec.cache_ram, disk=spec.cache_disk)
+        )
+
+    @property
+    def socket(self) -> str:
+        return self.proc.cfg.socket_path
+
+    def restart(self, how: str) -> None:
+        """Restart the server: `sigterm` (clean, flushes) or `sigkill` (crash)."""
+        if how == "sigkill" and self.proc.pid is not None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(Exception):
+                self.proc.stop(timeout_s=5)
+        else:
+            self.proc.stop()
+        self.proc.ensure()
+
+    def stats(self) -> dict[str, Any]:
+        from kvkeep.server.client import KVKeepClient
+
+        client = KVKeepClient(socket_path=self.socket, timeout_s=2.0)
+        try:
+            return client.stats()
+        finally:
+            client.close()
+
+
+def dev_env(cfg: LaunchConfig) -> LaunchConfig:
+    """`cfg` with vLLM's dev endpoints on (`/reset_prefix_cache` empties the device cache)."""
+    return replace(cfg, extra_env=(*cfg.extra_env, ("VLLM_SERVER_DEV_MODE", "1")))
+
+
+@contextlib.contextmanager
+def cache_server(spec: RestartSpec) -> Iterator[Cache]:
+    """A kvkeep cache server with RAM and disk tiers, in a temporary directory."""
+    directory = Path(tempfile.mkdtemp(prefix="kvkeep-restart-"))
+    cache = Cache(spec, directory)
+    try:
+        cache.proc.ensure()
+        yield cache
+    finally:
+        cache.proc.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@dataclass
+class RestartScenario:
+    spec: RestartSpec = RestartSpec()
+    name: str = "restart"
+
+    def tokens_needed(self) -> int:
+        return self.spec.max_model_len
+
+    def run_mode(self, base: LaunchConfig, mode: str) -> dict[str, Any]:
+        """The whole S4 sequence for one mode (it owns its servers)."""
+        cfg = replace(
+            dev_env(base),
+            mode=mode,
+            max_model_len=max(base.max_model_len, self.spec.max_model_len),
+        )
+        with contextlib.ExitStack() as stack:
+            cache = stack.enter_context(cache_server(self.spec)) if mode == "kvkeep" else None
+            if cache is not None:
+                cfg = replace(cfg, cache_socket=cache.socket)
+            return self.run_on(VLLMServer(cfg).start(), cache)
+
+    def run_on(self, server: VLLMServer, cache: Cache | None) -> dict[str, Any]:
+        """The sequence on an already running server, which it restarts and finally stops.
+
+        The server must have been launched with VLLM_SERVER_DEV_MODE=1 (see `dev_env`) and,
+        in mode kvkeep, on `cache`'s socket.
+        """
+        stats = cache.stats if cache else None
+        docs = self._docs()
+        cfg = server.cfg
+        out: dict[str, Any] = {}
+        try:
+            out["first_ready_s"] = server.ready_s
+            out["warmup"] = self._query(Probe(server.url, stats), docs)
+            out["warm"] = self._query(Probe(server.url, stats), docs)
+            t0 = time.monotonic()
+            server.stop()
+            server = VLLMServer(cfg).start()
+            out["restart_ready_s"] = time.monotonic() - t0
+            out["after_engine_restart"] = self._query(Probe(server.url, stats), docs)
+            if cache is not None:
+                for how in ("sigterm", "sigkill"):
+                    cache.restart(how)
+                    _reset_device_cache(server.url)
+                    out[f"after_server_{how}"] = self._query(Probe(server.url, stats), docs)
+        finally:
+            server.stop()
+        return _flatten(out)
+
+    def _docs(self) -> list[list[int]]:
+        rng = random.Random(f"kvkeep-restart:{self.spec.seed}:{time.time_ns()}")
+        return [
+            [rng.randrange(100, 1000) for _ in range(self.spec.doc_tokens)]
+            for _ in range(self.spec.docs)
+        ]
+
+    def _query(self, probe: Probe, docs: list[list[int]]) -> dict[str, Any]:
+        return asyncio.run(self._query_async(probe, docs))
+
+    async def _query_async(self, probe: Probe, docs: list[list[int]]) -> dict[str, Any]:
+        before = probe.snapshot()
+        ttfts, cacheable = [], 0
+        async with httpx.AsyncClient() as client:
+            model = await discover_model(client, probe.url)
+            for i, doc in enumerate(docs):
+                question = [10 + (i * 13 + j) % 90 for j in range(QUESTION_TOKENS)]
+                s = await complete_ids(client, probe.url, model, doc + question)
+                ttfts.append(s.ttft_s)
+                cacheable += cacheable_tokens(s.prompt_tokens, self.spec.block_size)
+        rates = hit_split(probe.delta(before), cacheable, self.spec.block_size)
+        return {**rates, "ttft_s": sum(ttfts) / len(ttfts)}
+
+
+def _reset_device_cache(url: str) -> None:
+    """Empty vLLM's device prefix cache (needs VLLM_SERVER_DEV_MODE=1), keep kvkeep's."""
+    for _ in range(20):
+        r = httpx.post(f"{url}/reset_prefix_cache", params={"reset_external": "false"}, timeout=30)
+        if r.status_code == 200 and r.json().get("success"):
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"{url}/reset_prefix_cache did not succeed: HTTP {r.status_code} {r.text}")
+
+
+def _flatten(out: dict[str, Any]) -> dict[str, Any]:
+    """Top-level figures the report and acceptance read, plus the phases in full."""
+    flat: dict[str, Any] = {
+        "cold_ttft_s": out["warmup"]["ttft_s"],
+        "warm_ttft_s": out["warm"]["ttft_s"],
+        "restart_ready_s": out["restart_ready_s"],
+        "first_ready_s": out["first_ready_s"],
+        "after_engine_restart_hit_rate": out["after_engine_restart"]["hit_rate"],
+        "after_engine_restart_ttft_s": out["after_engine_restart"]["ttft_s"],
+    }
+    for how in ("sigterm", "sigkill"):
+        phase = out.get(f"after_server_{how}")
+        flat[f"after_server_{how}_hit_rate"] = phase["hit_rate"] if phase else None
+        flat[f"after_server_{how}_ttft_s"] = phase["ttft_s"] if phase else None
+    hits = [flat[f"after_server_{h}_hit_rate"] for h in ("sigterm", "sigkill")]
+    flat["after_server_restart_hit_rate"] = None if None in hits else min(hits)
+    flat["phases"] = {k: v for k, v in out.items() if isinstance(v, dict)}
+    return flat
+
+
+def main(argv: list[str]) -> int:
+    """`kvkeep bench restart`: S4 for each mode, each with its own servers."""
+    import argparse
+    import sys
+
+    from kvkeep.bench import scenarios as sc
+
+    p = argparse.ArgumentParser(prog="kvkeep bench restart", description=__doc__.splitlines()[0])
+    sc.add_common_args(p)
+    p.set_defaults(modes=["none", "vllm", "kvkeep"])
+    d = RestartSpec()
+    p.add_argument("--docs", type=int, default=d.docs)
+    p.add_argument("--doc-tokens", type=int, default=d.doc_tokens)
+    p.add_argument("--cache-ram", default=d.cache_ram)
+    p.add_argument("--cache-disk", default=d.cache_disk)
+    args = p.parse_args(argv[1:])
+    if args.endpoint:
+        print("kvkeep bench restart launches its own servers; --endpoint is not supported",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    spec = RestartSpec(args.docs, args.doc_tokens, cache_ram=args.cache_ram,
+                       cache_disk=args.cache_disk)  # fmt: skip
+    scenario = RestartScenario(spec)
+    base = sc.launch_config(args)
+    assert base is not None
+    modes: dict[str, Any] = {}
+    try:
+        for mode in args.modes:
+            print(f"mode {mode}: warm up, restart vLLM, query again", file=sys.stderr)
+            modes[mode] = scenario.run_mode(base, mode)
+    except (ValueError, RuntimeError, httpx.HTTPError) as exc:
+        print(f"kvkeep bench restart: {exc}", file=sys.stderr)
+        return 1
+    sc.write_outputs({"scenario": "restart", "modes": modes}, args)
+    return 0
