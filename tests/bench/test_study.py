@@ -1,0 +1,119 @@
+"""The study scenarios' arithmetic and reports, on hand-made numbers (no vLLM)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvkeep.bench import report
+from kvkeep.bench.agents import summarize_agents
+from kvkeep.bench.capacity import CapacitySpec, documents
+from kvkeep.bench.probe import Counters, cacheable_tokens, hit_split
+from kvkeep.bench.restart import _flatten
+from kvkeep.bench.runner import TurnResult
+
+
+def test_cacheable_tokens_never_include_the_last_token() -> None:
+    assert cacheable_tokens(2048 + 16, 128) == 2048
+    assert cacheable_tokens(2048, 128) == 1920  # the last block holds the last token
+    assert cacheable_tokens(1, 128) == 0
+
+
+def test_hit_split_by_device_connector_and_kvkeep_tiers() -> None:
+    delta = Counters(
+        vllm={
+            "vllm:prefix_cache_hits_total": 256.0,
+            "vllm:external_prefix_cache_hits_total": 768.0,
+        },
+        tier_hits={"ram": 4.0, "disk": 2.0},
+    )
+    rates = hit_split(delta, 1024, 128)
+    assert rates["hit_rate"] == 1.0
+    assert rates["device_hit_rate"] == 0.25
+    assert rates["external_hit_rate"] == 0.75
+    assert rates["ram_hit_rate"] == pytest.approx(0.5)
+    assert rates["disk_hit_rate"] == pytest.approx(0.25)
+
+
+def test_capacity_documents_total_k_times_the_pool() -> None:
+    spec = CapacitySpec(pool_blocks=64, k=4, doc_tokens=1024, rounds=2)
+    docs = documents(spec)
+    assert len(docs) == spec.num_docs == 32
+    assert sum(len(d) for d in docs) == 4 * 64 * 128
+    assert len({tuple(d[:8]) for d in docs}) == len(docs)  # no two documents share a prefix
+    assert documents(spec) == docs  # deterministic
+
+
+@pytest.mark.parametrize(
+    "kwargs, word",
+    [({"rounds": 1}, "--rounds"), ({"doc_tokens": 1000}, "multiple"), ({"pool_blocks": 4}, "fit")],
+)
+def test_capacity_spec_errors_name_the_flag(kwargs, word) -> None:
+    with pytest.raises(ValueError, match=word):
+        CapacitySpec(**kwargs).validate()
+
+
+def test_agents_summary_turns_per_minute_and_late_wait() -> None:
+    rows = [
+        TurnResult(agent=a, turn=t, prompt_tokens=100, cached_tokens=0, computed_tokens=100,
+                   output_tokens=8, ttft_s=0.1, latency_s=float(t + 1), start_s=float(2 * t))
+        for a in range(2) for t in range(6)
+    ]  # fmt: skip
+    s = summarize_agents(rows, wall_s=30.0, agents=2)
+    assert s["turns"] == 12
+    assert s["turns_per_min"] == pytest.approx(24.0)
+    assert s["late_turn_wait_s"] == pytest.approx((2 + 3 + 4 + 5 + 6) / 5)
+    assert s["wait_per_turn_s"]["0"] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    # agent 0's last turn ends at 10 + 6 = 16 s: 6 turns in 16 s
+    assert s["turns_per_min_per_agent"]["0"] == pytest.approx(6 / (16 / 60))
+
+
+def _phase(hit: float, ttft: float) -> dict:
+    return {"hit_rate": hit, "ttft_s": ttft}
+
+
+def test_restart_figures_take_the_worse_of_the_two_server_restarts() -> None:
+    out = {
+        "first_ready_s": 25.0,
+        "restart_ready_s": 27.0,
+        "warmup": _phase(0.0, 1.0),
+        "warm": _phase(1.0, 0.05),
+        "after_engine_restart": _phase(1.0, 0.06),
+        "after_server_sigterm": _phase(1.0, 0.07),
+        "after_server_sigkill": _phase(0.98, 0.08),
+    }
+    flat = _flatten(out)
+    assert flat["after_server_restart_hit_rate"] == 0.98
+    assert flat["after_engine_restart_ttft_s"] == 0.06
+    no_cache = _flatten({k: v for k, v in out.items() if not k.startswith("after_server")})
+    assert no_cache["after_server_restart_hit_rate"] is None
+
+
+def test_all_report_has_a_row_per_claim_and_a_self_contained_page(tmp_path: Path) -> None:
+    def mode(hit: float) -> dict:
+        return {
+            "capacity": {"hit_rate": hit, "device_hit_rate": 0.0, "ttft_s": 0.1,
+                         "num_docs": 32, "doc_tokens": 2048, "k": 4.0},
+            "restart": {"after_engine_restart_hit_rate": hit, "after_engine_restart_ttft_s": 0.2,
+                        "restart_ready_s": 26.0, "cold_ttft_s": 1.0, "warm_ttft_s": 0.05},
+            "agents": {"turns_per_min": 60.0 * hit + 8, "late_turn_wait_s": 2.0,
+                       "mean_wait_s": 1.0, "cached_fraction": hit, "working_set_over_pool": 3.0},
+            "hol": {"ttft_alone_s": 0.05, "ttft_beside_prefill_s": 0.5, "ratio": 10.0},
+        }  # fmt: skip
+
+    modes = {"vllm": mode(0.0), "kvkeep": mode(1.0)}
+    doc = {
+        "scenarios": {
+            name: {"scenario": name, "modes": {m: r[name] for m, r in modes.items()}}
+            for name in ("capacity", "restart", "agents", "hol")
+        }
+    }
+    paths = report.write_report(doc, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "| S3 hit rate, all tiers | >99% (offload) | 0.0% | 100.0% |" in md
+    assert "| S5 turns/min, agents > pool | ~8 -> ~60 | 8.0 | 68.0 |" in md
+    page = (tmp_path / "report.html").read_text()
+    assert page.count("data:image/png;base64,") == sum(p.suffix == ".png" for p in paths) >= 3
+    assert "<td>S4 hit rate after vLLM restart</td>" in page
+    assert 'src="http' not in page  # nothing to fetch: one self-contained file
