@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import NamedTuple, NewType, Protocol
 
@@ -47,6 +48,9 @@ class TierCounters:
     evictions: int = 0
     checksum_failures: int = 0
     rejected_puts: int = 0
+    write_errors: int = 0  # failed writes to the medium (e.g. a full filesystem)
+    errors: int = 0  # calls to another process (the remote store) that failed or timed out
+    dropped_puts: int = 0  # writes given up: queue full, rate limit backlog, or store down
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -106,6 +110,17 @@ class Tier(Protocol):
     def stats(self) -> TierStats:
         """A consistent snapshot of counters and occupancy."""
         ...
+
+
+class BatchLookup(Protocol):
+    """Optional for a tier: answer many ``contains`` at once (one round trip to a remote store).
+
+    A tier whose ``contains`` can only answer from local hints (the remote tier) implements
+    this; the tiered store calls it at most once per lookup, with the keys from the first one
+    no faster tier holds to the end. It blocks on I/O and never raises: a failure is all False.
+    """
+
+    def contains_many(self, keys: Sequence[StoreKey]) -> list[bool]: ...
 
 
 class NullTier:

@@ -22,6 +22,7 @@ import contextlib
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -156,6 +157,10 @@ class ArenaTier:
         self._index: dict[StoreKey, int] = {}  # committed or reserved key -> offset
         self._counters = TierCounters()
         self._bytes_used = 0
+        # Called with (key, bytes, checksum) of every committed block about to leave RAM,
+        # with the arena lock held and before the slot is reused: it must copy what it keeps,
+        # must not block, and must not call back into the arena.
+        self.on_evict: Callable[[StoreKey, memoryview, int], object] | None = None
 
     # --- slot API (the data plane) -------------------------------------------------------
 
@@ -353,8 +358,11 @@ class ArenaTier:
         extent.slot_bytes, extent.free = 0, []
 
     def _evict(self, offset: int) -> None:
+        slot = self._slots[offset]
+        if self.on_evict is not None:
+            self.on_evict(slot.key, self.view(offset, slot.length), slot.checksum)
         self._counters.evictions += 1
-        self._bytes_used -= self._slots[offset].length
+        self._bytes_used -= slot.length
         self._free(offset)
 
     def _free(self, offset: int) -> None:

@@ -5,6 +5,8 @@
 - ``commit`` makes a block visible in RAM and queues it for write-through to every lower
   tier. The queue is bounded: when it is full the write is dropped and counted, and the
   caller never blocks. The writer thread pins the slot while it copies it out.
+- Lower tiers named in ``WriteBehindConfig.on_evict`` are skipped by write-through and given
+  the block instead when RAM evicts it (the remote tier's "write on eviction" policy).
 """
 
 from __future__ import annotations
@@ -22,9 +24,14 @@ from kvkeep.store.memory import ArenaTier, Pinned
 
 @dataclass(frozen=True)
 class WriteBehindConfig:
-    """``queue_depth``: blocks waiting for the lower tiers before writes are dropped."""
+    """``queue_depth``: blocks waiting for the lower tiers before writes are dropped.
+
+    ``on_evict``: names of lower tiers written when RAM evicts a block rather than when it
+    is committed (their ``put`` must copy and not block: it runs under the arena lock).
+    """
 
     queue_depth: int = 256
+    on_evict: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if self.queue_depth <= 0:
@@ -63,6 +70,13 @@ class TieredStore:
         self.ram = ram
         self.lower = list(lower)
         self.tiers: list[Tier] = [ram, *self.lower]
+        unknown = config.on_evict - {t.name for t in self.lower}
+        if unknown:
+            raise ValueError(f"on_evict names tiers {sorted(unknown)} that are not configured")
+        self._through = [t for t in self.lower if t.name not in config.on_evict]
+        self._spill = [t for t in self.lower if t.name in config.on_evict]
+        if self._spill:
+            ram.on_evict = self._spill_evicted
         self._queue: queue.Queue[_Write | None] = queue.Queue(config.queue_depth)
         self.dropped_writes = 0
         self.write_errors = 0
@@ -70,20 +84,35 @@ class TieredStore:
         self._writer.start()
 
     def lookup(self, keys: Sequence[StoreKey]) -> Lookup:
-        """Longest contiguous present prefix across tiers. Read-only; never blocks on I/O."""
-        # Hot path (1,000-key prompts within a millisecond): bound methods, no generators.
+        """Longest contiguous present prefix across tiers. Read-only.
+
+        RAM and local tiers are asked key by key; a tier with ``contains_many`` (the remote)
+        is asked once, in one batch, for the keys from the first one no faster tier holds.
+        That call may block for up to the remote's timeout (see ``may_block``).
+        """
+        # Hot path (1,000-key prompts within a millisecond): bound methods, no generators
+        # while RAM hits.
         ram_contains = self.ram.contains
-        lower = [(level, tier.contains) for level, tier in enumerate(self.lower, start=1)]
+        probes = [(level, _Probe(tier, keys).has) for level, tier in enumerate(self.lower, 1)]
         tiers: list[int] = []
-        for key in keys:
+        for index, key in enumerate(keys):
             if ram_contains(key):
                 tiers.append(0)
                 continue
-            level = next((lv for lv, contains in lower if contains(key)), -1)
+            level = next((lv for lv, has in probes if has(index)), -1)
             if level < 0:
                 break
             tiers.append(level)
         return Lookup(len(tiers), tuple(tiers))
+
+    @property
+    def may_block(self) -> bool:
+        """Whether ``lookup`` can wait on the network (a lower tier answers in batches)."""
+        return any(hasattr(t, "contains_many") for t in self.lower)
+
+    def held_below(self, key: StoreKey) -> bool:
+        """Whether a lower tier says it probably holds ``key``, from local knowledge (no I/O)."""
+        return any(t.contains(key) for t in self.lower)
 
     def reserve(self, key: StoreKey, length: int) -> Reservation:
         """A RAM slot to write ``key`` into, unless some tier already holds it."""
@@ -100,10 +129,10 @@ class TieredStore:
         """Publish a reserved slot and queue it for the lower tiers; never blocks."""
         # The writer's pin is taken atomically with the commit so the slot cannot be evicted
         # before the write-through copies it out.
-        if not self.ram.commit(offset, crc, keep_pin=bool(self.lower)):
+        if not self.ram.commit(offset, crc, keep_pin=bool(self._through)):
             return False
         info = self.ram.committed(offset)
-        if self.lower and info is not None:
+        if self._through and info is not None:
             self._enqueue(_Write(info.key, offset, info.length, crc))
         return True
 
@@ -175,13 +204,42 @@ class TieredStore:
                 self._queue.task_done()
         self._queue.task_done()
 
+    def _spill_evicted(self, key: StoreKey, data: memoryview, crc: int) -> None:
+        """RAM's eviction hook: hand the block to the on-evict tiers (they copy it)."""
+        for tier in self._spill:
+            tier.put(key, data, crc)
+
     def _write_through(self, write: _Write) -> None:
         data = self.ram.view(write.offset, write.length)
-        for tier in self.lower:
+        for tier in self._through:
             try:
                 tier.put(write.key, data, write.crc)
             except OSError:
                 self.write_errors += 1
+
+
+class _Probe:
+    """Answers "does ``tier`` hold ``keys[i]``" for increasing ``i``.
+
+    A tier with ``contains_many`` is asked once, on the first question, for ``keys[i:]``;
+    others are asked key by key.
+    """
+
+    __slots__ = ("_answers", "_batch", "_contains", "_keys", "_start")
+
+    def __init__(self, tier: Tier, keys: Sequence[StoreKey]) -> None:
+        self._contains = tier.contains
+        self._batch = getattr(tier, "contains_many", None)
+        self._keys = keys
+        self._answers: list[bool] | None = None
+        self._start = 0
+
+    def has(self, index: int) -> bool:
+        if self._batch is None:
+            return self._contains(self._keys[index])
+        if self._answers is None:
+            self._start, self._answers = index, self._batch(self._keys[index:])
+        return self._answers[index - self._start]
 
 
 def verify(data: memoryview, expected: int) -> bool:
