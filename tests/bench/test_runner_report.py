@@ -66,3 +66,18 @@ def test_report_writes_tables_json_and_plots(tmp_path: Path) -> None:
     }  # fmt: skip
     for p in pngs:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+
+
+def test_root_cause_skips_warnings_and_wrapper_errors(tmp_path: Path) -> None:
+    from kvkeep.bench.launch import root_cause
+
+    log = tmp_path / "vllm.log"
+    log.write_text(
+        "(APIServer) WARNING x.py:1] like `OSError: [Errno 24] Too many open files`.\n"
+        "(EngineCore) ERROR core.py:1] ValueError: To serve at least one request ... 16256.\n"
+        "RuntimeError: Engine core initialization failed. See root cause above.\n"
+    )
+    assert root_cause(log) == "ValueError: To serve at least one request ... 16256."
+    log.write_text("usage: api_server.py [-h]\napi_server.py: error: argument --x: invalid int\n")
+    assert root_cause(log) == "api_server.py: error: argument --x: invalid int"
+    assert root_cause(tmp_path / "missing.log") is None

@@ -101,4 +101,5 @@ def test_failed_start_quotes_the_log(tiny_model: Path, tmp_path: Path) -> None:
     msg = str(err.value)
     assert "exited with code" in msg
     assert "not-a-number" in msg  # vLLM's own complaint, quoted from the log tail
+    assert "Cause: " in msg and "invalid int value" in msg.split("Cause: ")[1].splitlines()[0]
     assert str(tmp_path) in msg

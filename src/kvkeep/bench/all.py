@@ -166,7 +166,7 @@ def main(argv: list[str]) -> int:
     base = LaunchConfig(
         model=args.model,
         num_blocks=size.pool_blocks,
-        max_model_len=size.pool_blocks * BLOCK,
+        max_model_len=(size.pool_blocks - 1) * BLOCK,  # vLLM keeps one block as its null block
         reserved_cpus=args.reserved_cpus,
         log_dir=args.log_dir,
     )

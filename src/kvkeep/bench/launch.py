@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -238,9 +239,11 @@ class VLLMServer:
 
     def _failure(self, why: str) -> str:
         tail = log_tail(self.log_path, LOG_TAIL_LINES)
+        cause = root_cause(self.log_path)
         return (
             f"{why} (mode {self.cfg.mode}, port {self.port}).\n"
-            f"Last {LOG_TAIL_LINES} lines of {self.log_path}:\n{tail}"
+            + (f"Cause: {cause}\n" if cause else "")
+            + f"Last {LOG_TAIL_LINES} lines of {self.log_path}:\n{tail}"
         )
 
     def stop(self, timeout_s: float = 20.0) -> None:
@@ -276,6 +279,32 @@ class VLLMServer:
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
+
+
+_ERROR_LINE = re.compile(r"\b([A-Z]\w*(?:Error|Exception)): (.+)")
+_WRAPPER_ERRORS = ("Engine core initialization failed",)
+
+
+def root_cause(path: Path) -> str | None:
+    """The first exception message in a vLLM log that is not a wrapper around another one.
+
+    vLLM's start-up failures end in a generic "Engine core initialization failed"; the reason
+    (a too-small KV pool, a bad argument, a missing file) is an earlier line.
+    """
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return None
+    for line in lines:
+        if " WARNING " in line:
+            continue
+        m = _ERROR_LINE.search(line)
+        if m and not any(w in m.group(2) for w in _WRAPPER_ERRORS):
+            return f"{m.group(1)}: {m.group(2).strip()}"
+    for line in reversed(lines):
+        if line.startswith(("error:", "usage:")) or ": error: " in line:
+            return line.strip()
+    return None
 
 
 def log_tail(path: Path, lines: int) -> str:
