@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kvkeep.model import TinyModelSpec, write_tiny_model
+from kvkeep.store.redis_process import RedisProcess
 
 
 @pytest.fixture(scope="session")
@@ -17,3 +19,15 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if given and (Path(given) / "config.json").is_file():
         return Path(given)
     return write_tiny_model(tmp_path_factory.mktemp("tiny-model"), TinyModelSpec())
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisProcess]:
+    """A private redis-server (maxmemory + allkeys-lru) on 127.0.0.1, stopped by PID.
+
+    Fails, never skips, when redis-server is missing: the remote tier must be tested in CI.
+    """
+    server = RedisProcess(tmp_path / "redis", maxmemory="64mb")
+    server.start()
+    yield server
+    server.stop()

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from kvkeep.store.memory import ArenaConfig, ArenaTier
-from kvkeep.store.redis_process import RedisProcess
 
 
 @pytest.fixture
@@ -25,15 +24,3 @@ def make_arena() -> Iterator[object]:
     for arena in made:
         if Path(arena.arena.path).exists():
             arena.close()
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisProcess]:
-    """A private redis-server (maxmemory + allkeys-lru) on 127.0.0.1, stopped by PID.
-
-    Fails, never skips, when redis-server is missing: the remote tier must be tested in CI.
-    """
-    server = RedisProcess(tmp_path / "redis", maxmemory="64mb")
-    server.start()
-    yield server
-    server.stop()

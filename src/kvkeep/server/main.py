@@ -11,6 +11,7 @@ from pathlib import Path
 
 from kvkeep.server.metrics import serve_metrics
 from kvkeep.server.server import CacheServer, ServerConfig
+from kvkeep.store.remote import RemoteConfig, WritePolicy
 from kvkeep.units import parse_size
 
 
@@ -40,7 +41,52 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--metrics-host", default="127.0.0.1")
     ap.add_argument("--queue-depth", type=int, default=256, help="write-through queue bound")
     ap.add_argument("--extent", type=_size, default=64 << 20, help="arena extent (max block)")
+    _remote_arguments(ap.add_argument_group("remote tier (a Valkey/Redis shared by servers)"))
     return ap
+
+
+def _remote_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--remote",
+        metavar="URL",
+        help="valkey://HOST:PORT[/DB], redis://..., rediss:// (TLS), or a cluster seed list "
+        "valkey://H1:P1,H2:P2. Run the store with maxmemory and maxmemory-policy allkeys-lru: "
+        "it, not kvkeep, decides what to evict",
+    )
+    group.add_argument(
+        "--remote-write",
+        choices=[p.value for p in WritePolicy],
+        default=WritePolicy.THROUGH.value,
+        help="through: send every committed block (other servers see it at once); "
+        "evict: send a block only when RAM evicts it (less traffic)",
+    )
+    group.add_argument(
+        "--remote-rate",
+        type=_size,
+        default=64 << 20,
+        help="bytes per second sent to the store, e.g. 200MB (0: no limit); default 64MiB",
+    )
+    group.add_argument(
+        "--remote-timeout",
+        type=float,
+        default=0.25,
+        help="seconds before a store call is a miss (default 0.25)",
+    )
+    group.add_argument(
+        "--remote-ttl", type=int, default=0, help="seconds a block lives (0: maxmemory decides)"
+    )
+
+
+def remote_config_from(args: argparse.Namespace) -> RemoteConfig | None:
+    if args.remote is None:
+        return None
+    return RemoteConfig(
+        url=args.remote,
+        write_policy=WritePolicy(args.remote_write),
+        timeout_s=args.remote_timeout,
+        write_rate_bytes=args.remote_rate,
+        ttl_s=args.remote_ttl,
+    )
 
 
 def config_from(args: argparse.Namespace) -> ServerConfig:
@@ -54,6 +100,7 @@ def config_from(args: argparse.Namespace) -> ServerConfig:
         token=token,
         extent_bytes=args.extent,
         queue_depth=args.queue_depth,
+        remote=remote_config_from(args),
     )
 
 

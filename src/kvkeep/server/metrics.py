@@ -16,6 +16,8 @@ _COUNTERS = {
     "evictions": "blocks evicted",
     "checksum_failures": "records that failed their checksum (served as misses)",
     "rejected_puts": "blocks refused (too large, or no evictable room)",
+    "errors": "calls to the remote store that failed or timed out (served as misses)",
+    "dropped_puts": "writes to the remote store given up (queue full or store down)",
 }
 _GAUGES = {
     "blocks": "blocks held",

@@ -29,6 +29,7 @@ from kvkeep.server import protocol as p
 from kvkeep.store.base import NullTier, StoreKey, Tier
 from kvkeep.store.disk import DiskConfig, DiskTier
 from kvkeep.store.memory import ArenaConfig, ArenaTier, Pinned, slot_bytes_for
+from kvkeep.store.remote import RemoteConfig, RemoteTier, WritePolicy
 from kvkeep.store.tiered import ReserveStatus, TieredStore, WriteBehindConfig
 
 log = logging.getLogger("kvkeep.server")
@@ -47,6 +48,7 @@ class ServerConfig:
     extent_bytes: int = 64 << 20
     queue_depth: int = 256
     shm_dir: str = "/dev/shm"
+    remote: RemoteConfig | None = None  # a shared Valkey/Redis tier below RAM and disk
 
     def __post_init__(self) -> None:
         if self.listen is not None and not self.token:
@@ -80,9 +82,7 @@ class CacheServer:
         self.instance = secrets.token_hex(8)
         Path(config.directory).mkdir(parents=True, exist_ok=True)
         self._lock_fd = _lock_directory(Path(config.directory))
-        self.store = TieredStore(
-            self._make_ram(), self._make_lower(), WriteBehindConfig(config.queue_depth)
-        )
+        self.store = TieredStore(self._make_ram(), self._make_lower(), self._write_config())
         self.connections = 0
         self._io_pool = ThreadPoolExecutor(4, thread_name_prefix="kvkeep-io")
         self._stop = asyncio.Event()
@@ -145,14 +145,25 @@ class CacheServer:
         return ArenaTier(arena_config, path)
 
     def _make_lower(self) -> list[Tier]:
+        """Disk (or its null stand-in) first, then the remote tier when one is configured."""
+        remote = self.config.remote
+        return [self._make_disk(), *([RemoteTier(remote)] if remote else [])]
+
+    def _make_disk(self) -> Tier:
         if self.config.disk_bytes == 0:
-            return [NullTier("disk")]
+            return NullTier("disk")
         disk_dir = str(Path(self.config.directory) / "disk")
         disk = DiskTier(DiskConfig(disk_dir, self.config.disk_bytes))
         log.info(
             "disk index rebuilt: %d blocks in %.3f s", disk.stats().blocks, disk.rebuild_seconds
         )
-        return [disk]
+        return disk
+
+    def _write_config(self) -> WriteBehindConfig:
+        remote = self.config.remote
+        spill = remote is not None and remote.write_policy is WritePolicy.ON_EVICT
+        on_evict = frozenset({RemoteTier.name}) if spill else frozenset()
+        return WriteBehindConfig(self.config.queue_depth, on_evict)
 
     # --- connections -----------------------------------------------------------------------
 
@@ -219,9 +230,10 @@ class CacheServer:
             raise p.ProtocolError(p.ErrorCode.UNAUTHORIZED, "send AUTH with the server token first")
         if request.op is p.Op.ACQUIRE:
             return await self._acquire(conn, request.args)
+        if request.op is p.Op.LOOKUP:
+            return await self._lookup(conn, request.args)
         handler = {
             p.Op.HELLO: self._hello,
-            p.Op.LOOKUP: self._lookup,
             p.Op.RESERVE: self._reserve,
             p.Op.COMMIT: self._commit,
             p.Op.RELEASE: self._release,
@@ -270,9 +282,15 @@ class CacheServer:
         digest = ns.digest  # arg_keys checked every key is 32 bytes: plain concatenation
         return ns, [StoreKey(digest + k) for k in p.arg_keys(args)]
 
-    def _lookup(self, conn: _Connection, args: dict[str, Any]) -> dict[str, Any]:
+    async def _lookup(self, conn: _Connection, args: dict[str, Any]) -> dict[str, Any]:
+        """On the loop thread, unless a tier may ask the network (then in the I/O pool, so a
+        slow remote store delays only this lookup)."""
         _, keys = self._keys(conn, args)
-        found = self.store.lookup(keys)
+        if self.store.may_block:
+            loop = asyncio.get_running_loop()
+            found = await loop.run_in_executor(self._io_pool, self.store.lookup, keys)
+        else:
+            found = self.store.lookup(keys)
         return {"num_present": found.num_present, "tiers": list(found.tiers)}
 
     def _reserve(self, conn: _Connection, args: dict[str, Any]) -> dict[str, Any]:
@@ -305,7 +323,7 @@ class CacheServer:
             conn.pins[pinned.offset] += 1
             slots.append([pinned.offset, pinned.checksum])
         rest = keys[len(slots) :]
-        if rest and self.store.lookup(rest[:1]).num_present:
+        if rest and self.store.held_below(rest[0]):
             for hit in await self._promote(rest, ns.block_bytes):
                 conn.pins[hit.offset] += 1
                 slots.append([hit.offset, hit.checksum])
