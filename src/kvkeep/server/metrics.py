@@ -18,6 +18,7 @@ _COUNTERS = {
     "rejected_puts": "blocks refused (too large, or no evictable room)",
     "errors": "calls to the remote store that failed or timed out (served as misses)",
     "dropped_puts": "writes to the remote store given up (queue full or store down)",
+    "write_errors": "failed writes to the medium, e.g. a full filesystem",
 }
 _GAUGES = {
     "blocks": "blocks held",

@@ -14,21 +14,30 @@ A record is ``header || payload``; the header (88 bytes, little-endian) is::
 Crash safety: a record is one ``pwritev`` at the end of the active segment. After SIGKILL the
 active segment may end in a torn record; the start-up scan stops at the first header that does
 not check out or runs past the end of the file, truncates the file there and counts it. A
-payload is checked against its CRC on every load; a mismatch is a miss, counted, and the key
-is dropped from the index and tombstoned, so the record is never returned.
+payload is checked against its CRC on every load, and its header is read with it and must name
+the key asked for, with the length and CRC the index holds (so a valid record that sits where
+another key's index entry points, e.g. records swapped between keys, is never served for the
+wrong key). A mismatch is a miss, counted, and the key is dropped from the index and
+tombstoned, so the record is never returned.
 
 Capacity: whole segments are deleted oldest first (FIFO at segment granularity) until the new
-record fits. RAM sits above this tier, so recency is already served there.
+record fits. RAM sits above this tier, so recency is already served there. A filesystem that
+fills before the configured capacity (ENOSPC) is handled the same way: the failed append is cut
+off the file, counted in ``write_errors``, the oldest segment is deleted and the append is tried
+once more; if that fails too the block is not stored (``put`` raises OSError).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import logging
 import os
 import struct
 import threading
 import time
 import zlib
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -48,6 +57,8 @@ _INDEX_DTYPE = np.dtype(
     [("key", "u1", (64,)), ("offset", "<u8"), ("length", "<u8"), ("crc", "<u4"), ("kind", "<u4")]
 )
 _MiB = 1 << 20
+
+log = logging.getLogger("kvkeep.store.disk")
 
 
 @dataclass(frozen=True)
@@ -132,6 +143,7 @@ class DiskTier:
         self._segments: dict[int, _Segment] = {}
         self._counters = TierCounters()
         self._used = 0
+        self._full_logged = False
         started = time.perf_counter()
         self._rebuild()
         self.rebuild_seconds = time.perf_counter() - started
@@ -148,12 +160,15 @@ class DiskTier:
         if loc is None or loc.length > len(out):
             self._counters.misses += 1
             return None
-        target = out[: loc.length]
+        target, header = out[: loc.length], bytearray(HEADER_BYTES)
         try:
-            complete = os.preadv(fd, [target], loc.offset) == loc.length
-        except OSError:  # the segment was evicted while we read it
+            wanted = HEADER_BYTES + loc.length
+            complete = os.preadv(fd, [header, target], loc.offset - HEADER_BYTES) == wanted
+        except OSError:  # the segment was evicted (its fd closed) while we read it
             complete = False
-        if not complete or zlib.crc32(target) != loc.crc:
+        record = unpack_header(bytes(header), loc.offset) if complete else None
+        expected = Record(key, loc.offset, loc.length, loc.crc, KIND_DATA)
+        if record != expected or zlib.crc32(target) != loc.crc:
             self._drop_corrupt(key, loc)
             return None
         self._counters.hits += 1
@@ -169,7 +184,12 @@ class DiskTier:
                 self._counters.rejected_puts += 1
                 return False
             self._make_room(record_bytes)
-            self._append(KIND_DATA, key, data, checksum)
+            try:
+                self._append(KIND_DATA, key, data, checksum)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC or not self._free_space_after(exc):
+                    raise
+                self._append(KIND_DATA, key, data, checksum)  # may raise (counted) again
             self._counters.bytes_in += len(data)
             return True
 
@@ -177,7 +197,7 @@ class DiskTier:
         with self._lock:
             if self._index.pop(key, None) is None:
                 return False
-            self._append(KIND_TOMBSTONE, key, b"", 0)
+            self._tombstone(key)
             self._counters.evictions += 1
             return True
 
@@ -190,6 +210,12 @@ class DiskTier:
                 self._used,
                 self.config.capacity_bytes,
             )
+
+    def namespace_blocks(self) -> Counter[bytes]:
+        """Blocks held per namespace (a key's first 32 bytes). O(blocks): call it off the loop."""
+        with self._lock:
+            keys = list(self._index)
+        return Counter(key[:32] for key in keys)
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -214,9 +240,22 @@ class DiskTier:
         return self._segments[max(self._segments)]
 
     def _append(self, kind: int, key: StoreKey, data: bytes | memoryview, crc: int) -> None:
+        """Write one record at the end of the active segment, or nothing at all.
+
+        A failed or short write (a full filesystem) is cut off the file again, counted in
+        ``write_errors`` and raised as OSError, so the segment never holds a torn record.
+        """
         segment = self._active
         header = pack_header(kind, key, len(data), crc)
-        os.pwritev(segment.fd, [header, data], segment.size)
+        try:
+            written = os.pwritev(segment.fd, [header, data], segment.size)
+            if written != HEADER_BYTES + len(data):
+                raise OSError(errno.ENOSPC, f"short write: {written} bytes")
+        except OSError:
+            self._counters.write_errors += 1
+            with contextlib.suppress(OSError):
+                os.ftruncate(segment.fd, segment.size)
+            raise
         record = Record(key, segment.size + HEADER_BYTES, len(data), crc, kind)
         segment.records.append(record)
         segment.size += HEADER_BYTES + len(data)
@@ -229,17 +268,49 @@ class DiskTier:
 
     def _make_room(self, record_bytes: int) -> None:
         while self._used + record_bytes > self.config.capacity_bytes:
-            oldest = self._segments[min(self._segments)]
-            if not oldest.sealed:
-                self._seal(oldest)
-                self._open_segment(oldest.id + 1)
-            self._delete_segment(oldest)
+            if not self._delete_oldest_segment():
+                return
+
+    def _delete_oldest_segment(self) -> bool:
+        """Delete the oldest segment (rotating first if it is the active one); False if the
+        tier holds nothing to delete."""
+        oldest = self._segments[min(self._segments)]
+        if not oldest.sealed:
+            if not oldest.size:
+                return False
+            self._seal(oldest)
+            self._open_segment(oldest.id + 1)
+        self._delete_segment(oldest)
+        return True
+
+    def _free_space_after(self, exc: OSError) -> bool:
+        """The filesystem is full below our capacity: evict the oldest segment, per policy."""
+        if not self._full_logged:
+            self._full_logged = True
+            log.warning(
+                "disk tier %s: filesystem full (%s) at %d bytes used of %d configured; "
+                "evicting the oldest segments to make room (logged once)",
+                self.dir, exc.strerror, self._used, self.config.capacity_bytes,
+            )  # fmt: skip
+        return self._delete_oldest_segment()
+
+    def _tombstone(self, key: StoreKey) -> None:
+        """Best effort: a tombstone that cannot be written only lets a dropped record come
+        back after a restart, where it is checked (and dropped) again when read."""
+        with contextlib.suppress(OSError):
+            self._append(KIND_TOMBSTONE, key, b"", 0)
 
     def _seal(self, segment: _Segment) -> None:
-        if self.config.fsync_on_seal:
-            os.fsync(segment.fd)
-        write_index(self._path(segment.id, "idx"), segment.records, segment.size)
+        """No more appends to ``segment``. An index that cannot be written (disk full) only
+        makes the next start-up scan the segment instead of reading its index."""
         segment.sealed = True
+        try:
+            if self.config.fsync_on_seal:
+                os.fsync(segment.fd)
+            write_index(self._path(segment.id, "idx"), segment.records, segment.size)
+        except OSError as exc:
+            self._counters.write_errors += 1
+            log.warning("disk tier: could not write the index of segment %d: %s", segment.id, exc)
 
     def _open_segment(self, segment_id: int) -> _Segment:
         fd = os.open(self._path(segment_id, "log"), os.O_RDWR | os.O_CREAT, 0o600)
@@ -262,11 +333,13 @@ class DiskTier:
     def _drop_corrupt(self, key: StoreKey, loc: _Loc) -> None:
         with self._lock:
             self._counters.misses += 1
+            if self._index.get(key) != loc:
+                return  # evicted while we read it (its fd may even have been reused): a miss
             self._counters.checksum_failures += 1
-            if self._index.get(key) == loc:
-                del self._index[key]
-                if self._segments:
-                    self._append(KIND_TOMBSTONE, key, b"", 0)
+            log.warning("disk tier: dropped a corrupt record in segment %d", loc.segment)
+            del self._index[key]
+            if self._segments:
+                self._tombstone(key)
 
     def _path(self, segment_id: int, suffix: str) -> Path:
         return self.dir / f"seg-{segment_id:08d}.{suffix}"
@@ -275,6 +348,7 @@ class DiskTier:
 
     def _rebuild(self) -> None:
         """Replay every segment, oldest first; later records and tombstones win."""
+        self._remove_strays()
         ids = sorted(int(p.stem.split("-")[1]) for p in self.dir.glob("seg-*.log"))
         for segment_id in ids:
             segment = self._open_segment(segment_id)
@@ -282,14 +356,24 @@ class DiskTier:
         if not ids or self._segments[ids[-1]].sealed:
             self._open_segment(ids[-1] + 1 if ids else 1)
 
+    def _remove_strays(self) -> None:
+        """Index files a crash left behind: half-written ones, and those of deleted segments."""
+        for path in self.dir.glob("seg-*.idx.tmp"):
+            path.unlink(missing_ok=True)
+        for path in self.dir.glob("seg-*.idx"):
+            if not path.with_suffix(".log").exists():
+                path.unlink(missing_ok=True)
+
     def _load_segment(self, segment: _Segment, is_last: bool) -> None:
         records = read_index(self._path(segment.id, "idx"), segment.size)
         if records is None:
             records = self._scan(segment)
             if not is_last:
-                write_index(self._path(segment.id, "idx"), records, segment.size)
+                with contextlib.suppress(OSError):  # disk full: scan it again next time
+                    write_index(self._path(segment.id, "idx"), records, segment.size)
         segment.records = records
-        segment.sealed = self._path(segment.id, "idx").exists()
+        # Only the newest segment without an index takes appends; all others are sealed.
+        segment.sealed = not is_last or self._path(segment.id, "idx").exists()
         self._used += segment.size
         for record in records:
             self._replay(segment.id, record)
@@ -331,11 +415,15 @@ def write_index(path: Path, records: list[Record], segment_size: int) -> None:
         INDEX_MAGIC, VERSION, 0, len(records), segment_size, zlib.crc32(body)
     )
     tmp = path.with_suffix(".idx.tmp")
-    with open(tmp, "wb") as f:
-        f.write(header + body)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(header + body)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_index(path: Path, segment_size: int) -> list[Record] | None:
