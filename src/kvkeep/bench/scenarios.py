@@ -9,20 +9,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
+import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import httpx
 from tqdm import tqdm
 
 from kvkeep.bench import report
-from kvkeep.bench.launch import MODES, LaunchConfig, LaunchError, launch
+from kvkeep.bench.launch import MODES, LaunchConfig, LaunchError, VLLMServer, cache_server
 from kvkeep.bench.runner import (
     TurnResult,
     complete_ids,
@@ -97,27 +99,46 @@ def summarize_session(
     }
 
 
+class Restarted(NamedTuple):
+    """A fresh vLLM server after a restart: its URL and the time from stopping the old one
+    to the new one answering."""
+
+    url: str
+    restart_ready_s: float
+
+
+Restart = Callable[[], Restarted]
+
+
 @dataclass
 class TTFTScenario:
-    """S2: one long prompt sent cold, then again right away (warm), for each size."""
+    """S2: one long prompt sent cold, then again right away (warm), for each size.
+
+    With ``restart``, vLLM is then restarted once (the kvkeep cache server keeps running) and
+    every size is sent a third time: ``after_restart_s``, ``hit_rate_after_restart`` (cached
+    prompt tokens over prompt tokens, less any kvkeep load that failed and was recomputed)
+    and ``restart_ready_s``.
+    """
 
     sizes: Sequence[int] = DEFAULT_TTFT_SIZES
     seed: int = 0
     name: str = "ttft"
+    restart: bool = False
 
     def tokens_needed(self) -> int:
         return max(self.sizes) + 64
 
-    def run(self, url: str) -> dict[str, Any]:
-        return asyncio.run(self._run(url))
+    def run(self, url: str, restart: Restart | None = None) -> dict[str, Any]:
+        return asyncio.run(self._run(url, restart if self.restart else None))
 
-    async def _run(self, url: str) -> dict[str, Any]:
+    async def _run(self, url: str, restart: Restart | None) -> dict[str, Any]:
         out: dict[str, Any] = {}
+        prompts = {size: self._prompt(size, size) for size in self.sizes}
         async with httpx.AsyncClient() as client:
             model = await discover_model(client, url)
             await complete_ids(client, url, model, self._prompt(64, -1))  # first request is slow
             for size in tqdm(self.sizes, desc="  ttft sizes", leave=False):
-                ids = self._prompt(size, size)
+                ids = prompts[size]
                 cold = await complete_ids(client, url, model, ids)
                 warm = await complete_ids(client, url, model, ids)
                 out[str(size)] = {
@@ -128,12 +149,80 @@ class TTFTScenario:
                     "warm_cached_tokens": warm.cached_tokens,
                     "prompt_tokens": cold.prompt_tokens,
                 }
+            if restart is not None:
+                await self._after_restart(client, restart(), prompts, out)
         return {"sizes": out}
+
+    async def _after_restart(
+        self,
+        client: httpx.AsyncClient,
+        restarted: Restarted,
+        prompts: dict[int, list[int]],
+        out: dict[str, Any],
+    ) -> None:
+        """Send every prompt once more to the restarted server; adds the after-restart keys."""
+        url = restarted.url
+        model = await discover_model(client, url)
+        await complete_ids(client, url, model, self._prompt(64, -2))  # first request is slow
+        for size, ids in prompts.items():
+            before = kvkeep_load_counts(url)
+            after = await complete_ids(client, url, model, ids)
+            failed = kvkeep_load_counts(url)["load_failed"] - before["load_failed"]
+            hits = max(after.cached_tokens - failed, 0)
+            out[str(size)].update(
+                after_restart_s=after.ttft_s,
+                after_restart_cached_tokens=after.cached_tokens,
+                hit_rate_after_restart=hits / after.prompt_tokens if after.prompt_tokens else None,
+                restart_ready_s=restarted.restart_ready_s,
+            )
 
     def _prompt(self, size: int, salt: int) -> list[int]:
         """Token ids unique to (seed, size, salt), so a cold prompt shares no prefix."""
         rng = random.Random(f"kvkeep-ttft:{self.seed}:{size}:{salt}:{time.time_ns()}")
         return [rng.randrange(100, 1000) for _ in range(size)]
+
+
+_KVKEEP_TOKENS = re.compile(r'^vllm:kvkeep_tokens_total\{[^}]*op="(\w+)"[^}]*\}\s+(\S+)', re.M)
+
+
+def kvkeep_load_counts(url: str) -> dict[str, float]:
+    """kvkeep's own token counters from vLLM's /metrics (zeros when the connector is off)."""
+    counts = {"offered": 0.0, "loaded": 0.0, "load_failed": 0.0, "saved": 0.0}
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    for op, value in _KVKEEP_TOKENS.findall(text):
+        counts[op] = counts.get(op, 0.0) + float(value)
+    return counts
+
+
+class _ModeRun:
+    """One mode's vLLM server, restartable in place; ``close()`` stops it (idempotent)."""
+
+    def __init__(self, cfg: LaunchConfig) -> None:
+        self.cfg = cfg
+        self.server = VLLMServer(cfg).start()
+
+    def restart(self) -> Restarted:
+        t0 = time.monotonic()
+        self.server.stop()
+        self.server = VLLMServer(self.cfg).start()
+        ready = time.monotonic() - t0
+        print(f"  vLLM restarted, ready {ready:.1f} s after the stop began", file=sys.stderr)
+        return Restarted(self.server.url, ready)
+
+    def close(self) -> None:
+        self.server.stop()
+
+
+@contextlib.contextmanager
+def _mode_server(cfg: LaunchConfig) -> Iterator[_ModeRun]:
+    """vLLM in ``cfg.mode``; in mode kvkeep with a cache server that outlives restarts."""
+    with contextlib.ExitStack() as stack:
+        if cfg.mode == "kvkeep":
+            socket_path = stack.enter_context(cache_server(cfg.cache_ram, cfg.cache_socket))
+            cfg = replace(cfg, cache_socket=socket_path)
+        run = _ModeRun(cfg)
+        stack.callback(run.close)
+        yield run
 
 
 def run_modes(
@@ -157,11 +246,19 @@ def run_modes(
     cfg = replace(base, max_model_len=max(base.max_model_len, _round_up(need, 1024)))
     for i, mode in enumerate(modes):
         print(f"[{i + 1}/{len(modes)}] mode {mode}: {MODES[mode].description}", file=sys.stderr)
-        with launch(replace(cfg, mode=mode)) as server:
+        with _mode_server(replace(cfg, mode=mode)) as run:
+            server = run.server
             print(f"  vLLM ready in {server.ready_s:.1f} s at {server.url}", file=sys.stderr)
             for s in scenarios:
-                result = s.run(server.url)
-                result["server"] = {"ready_s": server.ready_s, "log": str(server.log_path)}
+                if isinstance(s, TTFTScenario):
+                    result = s.run(server.url, run.restart)
+                else:
+                    result = s.run(server.url)
+                result["server"] = {
+                    "ready_s": server.ready_s,
+                    "log": str(run.server.log_path),
+                    "reserved_cpus": cfg.reserved_cpus,
+                }
                 out[s.name][mode] = result
     return out
 
@@ -296,13 +393,15 @@ def main(argv: list[str]) -> int:
         p.add_argument("--sizes", type=parse_sizes, default=list(DEFAULT_TTFT_SIZES),
                        help="comma-separated prompt sizes in tokens")  # fmt: skip
         p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--restart", action="store_true",
+                       help="restart vLLM after the warm pass; send every size again")  # fmt: skip
     args = p.parse_args(rest)
     try:
         scenario: Scenario
         if which == "session":
             scenario = SessionScenario(session_spec(args), token_counter(args))
         else:
-            scenario = TTFTScenario(args.sizes, args.seed)
+            scenario = TTFTScenario(args.sizes, args.seed, restart=args.restart)
         by_scenario = run_modes([scenario], args.modes, launch_config(args), args.endpoint)
     except (ValueError, LaunchError, httpx.HTTPError) as exc:
         print(f"kvkeep bench {which}: {exc}", file=sys.stderr)
@@ -323,5 +422,8 @@ def scenario_document(name: str, modes: dict[str, Any], args: argparse.Namespace
         "kv_pool_gib": args.kv_pool_gib,
         "num_blocks": args.num_blocks,
         "reserved_cpus": args.reserved_cpus,
+        "env": {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(args.reserved_cpus)},
     }
+    if name == "ttft":
+        doc["setup"]["restart"] = bool(getattr(args, "restart", False))
     return doc

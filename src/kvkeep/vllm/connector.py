@@ -428,14 +428,16 @@ class _WorkerSide:
     def load(self, plan: StepPlan) -> None:
         """Fill every planned block, or report it in the load errors. Never raises."""
         t0 = time.perf_counter()
+        loaded = failed = 0
         for request in plan.loads:
             done = self._load_request(plan, request)
-            failed = [b.block_id for b in request.blocks[done:]]
-            self._load_errors.update(failed)
-            self._count("loaded_tokens", done * plan.namespace.block_size)
-            if failed:
-                self._count("load_failed_tokens", len(failed) * plan.namespace.block_size)
-        self._count("load_s", time.perf_counter() - t0)
+            self._load_errors.update(b.block_id for b in request.blocks[done:])
+            loaded, failed = loaded + done, failed + len(request.blocks) - done
+        elapsed = time.perf_counter() - t0
+        self._count("loaded_tokens", loaded * plan.namespace.block_size)
+        self._count("load_failed_tokens", failed * plan.namespace.block_size)
+        self._count("load_s", elapsed)
+        log.info("kvkeep: loaded %d blocks (%d failed) in %.1f ms", loaded, failed, 1e3 * elapsed)
         self._maybe_summarize()
 
     def _load_request(self, plan: StepPlan, request: RequestLoad) -> int:

@@ -1,0 +1,186 @@
+"""The connector's claim, key and save arithmetic, without vLLM."""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import replace
+
+import pytest
+
+from kvkeep.keys import Namespace, chain_keys
+from kvkeep.vllm.scheduling import (
+    BlockTransfer,
+    ClaimRange,
+    ConnectorConfig,
+    Counters,
+    Match,
+    RequestBook,
+    claim_range,
+)
+
+BS = 4
+NS = Namespace(model_digest="m", kv_dtype="bf16", layout="LBHNC", backend="cpu/vec", block_size=BS)
+
+
+def tokens(n: int, start: int = 100) -> list[int]:
+    return list(range(start, start + n))
+
+
+# --- claims -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "computed", "expected"),
+    [
+        (16, 0, ClaimRange(0, 3)),  # 4 full blocks, but the last token must be computed
+        (17, 0, ClaimRange(0, 4)),
+        (16, 8, ClaimRange(2, 3)),
+        (16, 12, ClaimRange(3, 3)),  # local hit already at the limit
+        (3, 0, ClaimRange(0, 0)),  # no full block
+        (1, 0, ClaimRange(0, 0)),
+        (16, 6, ClaimRange(0, 0)),  # an unaligned local hit gets no claim
+    ],
+)
+def test_claim_range(num_tokens: int, computed: int, expected: ClaimRange) -> None:
+    assert claim_range(num_tokens, computed, BS) == expected
+
+
+@pytest.mark.parametrize("num_tokens", range(1, 40))
+@pytest.mark.parametrize("computed_blocks", range(0, 4))
+def test_a_claim_never_covers_the_whole_prompt(num_tokens: int, computed_blocks: int) -> None:
+    computed = computed_blocks * BS
+    if computed > num_tokens - 1:
+        return  # vLLM never reports a local hit that large
+    claim = claim_range(num_tokens, computed, BS)
+    claimed = (claim.limit - claim.first) * BS if not claim.empty else 0
+    assert computed + claimed <= num_tokens - 1
+
+
+# --- config ------------------------------------------------------------------------------------
+
+
+def test_config_from_extra_validates() -> None:
+    cfg = ConnectorConfig.from_extra({"socket": "/tmp/s.sock", "timeout_s": "0.5"})
+    assert cfg == ConnectorConfig("/tmp/s.sock", 0.5)
+    with pytest.raises(ValueError, match="unknown kv_connector_extra_config keys"):
+        ConnectorConfig.from_extra({"socket": "/s", "store_dir": "/x"})
+    with pytest.raises(ValueError, match="socket"):
+        ConnectorConfig.from_extra({})
+    with pytest.raises(ValueError, match="timeout_s"):
+        ConnectorConfig.from_extra({"socket": "/s", "timeout_s": 0})
+
+
+# --- keys ---------------------------------------------------------------------------------------
+
+
+def test_keys_are_the_salted_namespace_chain_and_extend_incrementally() -> None:
+    book = RequestBook(NS)
+    prompt = tokens(10)
+    assert book.keys_for("r", prompt, None) == chain_keys(NS, prompt, BS)
+    grown = [*prompt, 7, 8]
+    assert book.keys_for("r", grown, None) == chain_keys(NS, grown, BS)
+    salted = replace(NS, cache_salt="alice")
+    assert book.keys_for("s", prompt, "alice") == chain_keys(salted, prompt, BS)
+    assert book.keys_for("s", prompt, "alice")[0] != book.keys_for("r", prompt, None)[0]
+
+
+def test_match_memo_is_per_inputs() -> None:
+    book = RequestBook(NS)
+    book.remember_match("r", Match(0, 16, 2))
+    assert book.cached_match("r", 0, 16) == Match(0, 16, 2)
+    assert book.cached_match("r", 4, 16) is None
+    assert book.cached_match("other", 0, 16) is None
+
+
+# --- loads and saves ---------------------------------------------------------------------------
+
+
+def test_alloc_loads_the_external_blocks_after_the_local_hit() -> None:
+    book = RequestBook(NS)
+    prompt = tokens(21)  # 5 full blocks
+    keys = chain_keys(NS, prompt, BS)
+    book.remember_match("r", Match(4, 21, 3))  # 1 local block, kvkeep has 3 more
+    load = book.on_alloc("r", prompt, None, [10, 11, 12, 13, 14, 15], 12)
+    assert load is not None
+    assert load.blocks == tuple(BlockTransfer(b, keys[i]) for i, b in [(1, 11), (2, 12), (3, 13)])
+    plan = book.take_plan([])
+    assert plan.loads == (load,) and plan.num_load_blocks == 3
+    assert book.take_plan([]).loads == ()  # each load ships once
+    # blocks [0, 4) were local or loaded: only block 4 is saved once computed
+    assert book.saves_after("r", 21, prompt, None) == [BlockTransfer(14, keys[4])]
+
+
+def test_saves_follow_every_chunk_and_decode_exactly_once() -> None:
+    book = RequestBook(NS)
+    seq = tokens(10)
+    assert book.on_alloc("r", seq, None, [1, 2], 0) is None
+    keys = chain_keys(NS, tokens(20), BS)
+    # chunk 1: 6 tokens computed -> block 0 full
+    assert book.saves_after("r", 6, seq, None) == [BlockTransfer(1, keys[0])]
+    assert book.saves_after("r", 6, seq, None) == []
+    # chunk 2: 4 more tokens, a new block id arrives with it -> block 1 full
+    book.update_blocks("r", [3], replace=False)
+    assert book.saves_after("r", 10, seq, None) == [BlockTransfer(2, keys[1])]
+    # decode: tokens arrive one by one; block 2 completes at 12 computed tokens
+    for n in (11, 12):
+        seq.append(100 + len(seq))
+        saves = book.saves_after("r", n, seq, None)
+        assert saves == ([BlockTransfer(3, keys[2])] if n == 12 else [])
+    # a block id that has not arrived yet is not saved
+    seq += tokens(4, start=100 + len(seq))
+    assert book.saves_after("r", 16, seq, None) == []
+    book.update_blocks("r", [4], replace=False)
+    assert book.saves_after("r", 16, seq, None) == [BlockTransfer(4, keys[3])]
+
+
+def test_tokens_not_known_yet_are_not_saved() -> None:
+    book = RequestBook(NS)
+    book.on_alloc("r", tokens(7), None, [1, 2], 0)
+    assert book.saves_after("r", 8, tokens(7), None) == [
+        BlockTransfer(1, chain_keys(NS, tokens(4), BS)[0])
+    ]
+
+
+def test_preemption_restarts_tracking_and_resume_replaces_the_table() -> None:
+    book = RequestBook(NS)
+    seq = tokens(12)
+    book.on_alloc("r", seq, None, [1, 2, 3], 0)
+    book.saves_after("r", 12, seq, None)
+    book.on_alloc("r", seq, None, [7, 8, 9], 0)  # preempted, re-admitted, new blocks
+    book.update_blocks("r", [7, 8, 9, 10], replace=True)
+    keys = chain_keys(NS, seq, BS)
+    assert book.saves_after("r", 12, seq, None) == [
+        BlockTransfer(7, keys[0]),
+        BlockTransfer(8, keys[1]),
+        BlockTransfer(9, keys[2]),
+    ]
+
+
+def test_finish_forgets_and_unknown_requests_are_ignored() -> None:
+    book = RequestBook(NS)
+    book.on_alloc("r", tokens(8), None, [1, 2], 0)
+    assert book.tracking("r") and len(book) == 1
+    book.finish("r")
+    book.finish("r")
+    assert not book.tracking("r") and len(book) == 0
+    book.update_blocks("r", [5], replace=False)
+    assert book.saves_after("r", 8, tokens(8), None) == []
+
+
+def test_plan_pickles_small() -> None:
+    book = RequestBook(NS)
+    prompt = tokens(129 * BS)
+    book.remember_match("r", Match(0, len(prompt), 128))
+    book.on_alloc("r", prompt, None, list(range(1, 130)), 128 * BS)
+    data = pickle.dumps(book.take_plan([]))
+    assert pickle.loads(data).num_load_blocks == 128
+    assert len(data) < 128 * 64 + 2048  # ~ a key and a block id per block
+
+
+def test_counters_take_resets() -> None:
+    c = Counters()
+    assert c.take() is None
+    c.add("loaded_tokens", 128)
+    c.merge({"loaded_tokens": 128, "load_s": 0.5})
+    assert c.take() == {"loaded_tokens": 256, "load_s": 0.5}
+    assert c.take() is None
