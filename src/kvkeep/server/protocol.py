@@ -5,7 +5,10 @@ Framing: every message is ``length (u32 big-endian) || msgpack body``; bodies ov
 ``{"v": 1, "id": int, "op": str, "args": map}``; a reply is
 ``{"v": 1, "id": int, "ok": true, "result": map}`` or
 ``{"v": 1, "id": int, "ok": false, "error": {"code": str, "message": str}}``.
-msgpack is decoded with size limits and no extension types: no pickle, no reflection.
+msgpack is decoded with size limits and no extension types: no pickle, no reflection. A body
+may build at most ``MAX_DECODED_ITEMS`` array and map entries in all: a frame of nested empty
+arrays would otherwise make ~70 bytes of Python objects per byte received (600 MB for one 8 MiB
+frame, and seconds of the event loop).
 
 Operations (``ns`` is the id HELLO returned on this connection; keys are 32-byte bin)::
 
@@ -34,6 +37,9 @@ PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 8 << 20
 MAX_KEYS_PER_REQUEST = 65536
 KEY_BYTES = 32
+MAX_MAP_ITEMS = 256  # envelopes, args and STATS replies are small maps
+MAX_DECODED_ITEMS = 4 * MAX_KEYS_PER_REQUEST  # a COMMIT of 65,536 [offset, crc] rows: 3×
+MAX_WIRE_INT = 2**64 - 1  # offsets and checksums must fit msgpack's uint64
 FRAME_HEADER = struct.Struct(">I")
 
 
@@ -90,10 +96,36 @@ def check_frame_length(length: int) -> None:
         )
 
 
+class _DecodeBudget:
+    """Counts the entries of every array and map a decode builds; msgpack calls it once per
+    container, after building it, so at most one over-long container is built past the limit."""
+
+    __slots__ = ("items",)
+
+    def __init__(self) -> None:
+        self.items = 0
+
+    def charge(self, container: Any) -> Any:
+        self.items += len(container) + 1
+        if self.items > MAX_DECODED_ITEMS:
+            raise ValueError(f"more than {MAX_DECODED_ITEMS} array or map entries")
+        return container
+
+
 def unpack(data: bytes) -> dict[str, Any]:
     """Decode one body; raises ProtocolError(MALFORMED) on anything but a msgpack map."""
+    budget = _DecodeBudget()
     try:
-        body = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=MAX_FRAME_BYTES)
+        body = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            max_bin_len=MAX_FRAME_BYTES,
+            max_array_len=MAX_KEYS_PER_REQUEST,
+            max_map_len=MAX_MAP_ITEMS,
+            list_hook=budget.charge,
+            object_hook=budget.charge,
+        )
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise ProtocolError(ErrorCode.MALFORMED, f"undecodable frame: {exc}") from exc
     if not isinstance(body, dict):
@@ -160,16 +192,18 @@ def arg_keys(args: dict[str, Any]) -> list[bytes]:
 
 
 def arg_int_list(args: dict[str, Any], name: str, width: int) -> list[Any]:
-    """A list of ints (width 1) or of ``width``-long int lists."""
+    """A list of non-negative ints (width 1) or of ``width``-long lists of them."""
     items = args.get(name)
     if not isinstance(items, list) or len(items) > MAX_KEYS_PER_REQUEST:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"{name} must be a list")
     for item in items:
         row = [item] if width == 1 else item
-        if (
-            not isinstance(row, list)
-            or len(row) != width
-            or not all(isinstance(x, int) for x in row)
-        ):
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{name} rows must be {width} ints")
+        if not isinstance(row, list) or len(row) != width or not all(map(_wire_uint, row)):
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"{name} rows must be {width} non-negative ints"
+            )
     return items
+
+
+def _wire_uint(value: Any) -> bool:
+    return type(value) is int and 0 <= value <= MAX_WIRE_INT

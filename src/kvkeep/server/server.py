@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import hashlib
 import hmac
 import itertools
 import logging
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvkeep.server import protocol as p
+from kvkeep.server.namespaces import NamespaceRegistry
 from kvkeep.store.base import NullTier, StoreKey, Tier
 from kvkeep.store.disk import DiskConfig, DiskTier
 from kvkeep.store.memory import ArenaConfig, ArenaTier, Pinned, slot_bytes_for
@@ -33,6 +35,9 @@ from kvkeep.store.remote import RemoteConfig, RemoteTier, WritePolicy
 from kvkeep.store.tiered import ReserveStatus, TieredStore, WriteBehindConfig
 
 log = logging.getLogger("kvkeep.server")
+
+MAX_NAMESPACES_PER_CONNECTION = 64
+CRC_LIMIT = 2**32  # a CRC-32
 
 
 @dataclass(frozen=True)
@@ -59,11 +64,20 @@ class ServerConfig:
         return self.socket_path or str(Path(self.directory) / "kvkeep.sock")
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Namespace:
-    digest: bytes
+    digest: bytes  # the store's namespace: the client's digest and block_bytes together
     block_bytes: int
     label: str
+
+
+def store_digest(digest: bytes, block_bytes: int) -> bytes:
+    """The namespace blocks are stored under. ``block_bytes`` is part of it so that a client
+    announcing a known digest with another block size can never be handed blocks of the
+    wrong length: it simply has none."""
+    return hashlib.sha256(
+        b"kvkeep/store-ns\0" + digest + block_bytes.to_bytes(8, "little")
+    ).digest()
 
 
 @dataclass
@@ -85,6 +99,10 @@ class CacheServer:
         self.store = TieredStore(self._make_ram(), self._make_lower(), self._write_config())
         self.connections = 0
         self._io_pool = ThreadPoolExecutor(4, thread_name_prefix="kvkeep-io")
+        self.namespaces = NamespaceRegistry(
+            Path(config.directory) / "namespaces.json",
+            getattr(self.store.lower[0], "namespace_blocks", Counter),
+        )
         self._stop = asyncio.Event()
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -187,6 +205,8 @@ class CacheServer:
                 pass
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the client went away
+        except Exception:  # a bug must cost this connection, never the server
+            log.exception("closing a connection after an unexpected error")
         finally:
             self.connections -= 1
             self._forget(conn)
@@ -251,7 +271,8 @@ class CacheServer:
     def _hello(self, conn: _Connection, args: dict[str, Any]) -> dict[str, Any]:
         digest = p.arg_bytes(args, "namespace", 32)
         block_bytes = p.arg_int(args, "block_bytes")
-        label = str(args.get("label", ""))[:200]
+        label = args.get("label", "")
+        label = label[:200] if isinstance(label, str) else ""
         max_block = self.store.ram.config.extent_bytes
         if not 0 < slot_bytes_for(block_bytes) <= max_block:
             raise p.ProtocolError(
@@ -259,9 +280,17 @@ class CacheServer:
                 f"blocks of {block_bytes} bytes do not fit this server (max {max_block}); "
                 "restart it with more --ram",
             )
-        conn.namespaces.append(_Namespace(digest, block_bytes, label))
+        ns = _Namespace(store_digest(digest, block_bytes), block_bytes, label)
+        if ns not in conn.namespaces:
+            if len(conn.namespaces) >= MAX_NAMESPACES_PER_CONNECTION:
+                raise p.ProtocolError(
+                    p.ErrorCode.BAD_REQUEST,
+                    f"more than {MAX_NAMESPACES_PER_CONNECTION} namespaces on one connection",
+                )
+            conn.namespaces.append(ns)
+            self._io_pool.submit(self.namespaces.announce, ns.digest, digest, label, block_bytes)
         return {
-            "ns": len(conn.namespaces) - 1,
+            "ns": conn.namespaces.index(ns),
             "instance": self.instance,
             "arena_path": self.store.ram.arena.path,
             "arena_bytes": self.store.ram.arena.size,
@@ -308,7 +337,10 @@ class CacheServer:
     def _commit(self, conn: _Connection, args: dict[str, Any]) -> dict[str, Any]:
         self._namespace(conn, args)
         committed = 0
-        for offset, crc in p.arg_int_list(args, "slots", 2):
+        rows = p.arg_int_list(args, "slots", 2)
+        if any(crc >= CRC_LIMIT for _, crc in rows):
+            raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "a checksum is a CRC-32: < 2**32")
+        for offset, crc in rows:
             if conn.reservations.pop(offset, None) is not None:
                 committed += self.store.commit(offset, crc)
         return {"committed": committed}
