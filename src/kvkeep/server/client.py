@@ -1,8 +1,10 @@
 """The synchronous client the connector uses inside vLLM processes.
 
 Contract: every call either returns within ``timeout_s`` or raises ``CacheUnavailable``;
-nothing here hangs or raises anything else for a server that is down, slow, restarted or
-answering with an error. Construction never touches the network: the connection is made on
+nothing here hangs or raises anything else for a server that is down, slow, stopped,
+restarted or answering with an error (or garbage). ``timeout_s`` is one deadline for the
+whole call: waiting for another thread's call on this client, connecting, AUTH, HELLO and the
+request itself all come out of it. Construction never touches the network: the connection is made on
 first use and re-made after a failure, no sooner than an exponential backoff allows (calls
 during the backoff fail at once, so a hot path falls back to recompute cheaply).
 
@@ -13,13 +15,14 @@ out by the old instance become invalid (``slot_view`` refuses them) and the aren
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import socket
 import threading
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -90,6 +93,8 @@ class KVKeepClient:
         self.socket_path, self.address, self.token = socket_path, address, token
         self.timeout_s, self.max_backoff_s = timeout_s, max_backoff_s
         self._lock = threading.RLock()
+        self._depth = 0  # nesting of _op() in the thread holding the lock
+        self._deadline = 0.0  # of the outermost call in progress
         self._sock: socket.socket | None = None
         self._ns_ids: dict[Session, int] = {}
         self._arena: _Arena | None = None
@@ -108,7 +113,7 @@ class KVKeepClient:
     def hello(self, namespace: Namespace | bytes, block_bytes: int, label: str = "") -> Session:
         """Announce a namespace now; raises CacheRefused if the server cannot hold its blocks."""
         session = self.session(namespace, block_bytes, label)
-        with self._lock:
+        with self._op():
             self._ns_id(session)
         return session
 
@@ -116,9 +121,12 @@ class KVKeepClient:
 
     def lookup(self, session: Session, keys: Sequence[BlockKey]) -> LookupResult:
         """How many leading ``keys`` are cached, and where. Read-only."""
-        result = self._call_ns(session, p.Op.LOOKUP, {"keys": list(keys)})
-        names = self._arena.tiers if self._arena else ()
-        return LookupResult(result["num_present"], tuple(names[t] for t in result["tiers"]))
+        with self._op():
+            result = self._call_ns(session, p.Op.LOOKUP, {"keys": list(keys)})
+            names = self._arena.tiers if self._arena else ()
+            with self._parsing(p.Op.LOOKUP):
+                tiers = tuple(names[t] for t in result["tiers"])
+                return LookupResult(int(result["num_present"]), tiers)
 
     def reserve(self, session: Session, keys: Sequence[BlockKey]) -> list[SlotRef]:
         """Slots to write blocks into, for keys not stored yet (others are skipped).
@@ -126,9 +134,10 @@ class KVKeepClient:
         Fewer slots than keys: some were already stored, or the arena is full of pinned
         blocks. Write each slot's bytes with ``slot_view`` then ``commit`` (or ``release``).
         """
-        with self._lock:
+        with self._op():
             result = self._call_ns(session, p.Op.RESERVE, {"keys": list(keys)})
-            return [self._slot(keys[i], offset, session, 0) for i, offset in result["slots"]]
+            with self._parsing(p.Op.RESERVE):
+                return [self._slot(keys[i], offset, session, 0) for i, offset in result["slots"]]
 
     def commit(
         self, session: Session, slots: Sequence[SlotRef], checksums: Sequence[int] | None = None
@@ -140,24 +149,27 @@ class KVKeepClient:
             else [zlib.crc32(self._buffer(s)) for s in slots]
         )
         rows = [[s.offset, c] for s, c in zip(slots, crcs, strict=True)]
-        committed: int = self._call_ns(session, p.Op.COMMIT, {"slots": rows})["committed"]
-        return committed
+        with self._op():
+            result = self._call_ns(session, p.Op.COMMIT, {"slots": rows})
+            with self._parsing(p.Op.COMMIT):
+                return int(result["committed"])
 
     def acquire(self, session: Session, keys: Sequence[BlockKey]) -> list[SlotRef]:
         """Pin the leading cached blocks for reading (promoted from disk if needed).
 
         Fewer slots than keys means the rest missed. Release every slot returned.
         """
-        with self._lock:
+        with self._op():
             result = self._call_ns(session, p.Op.ACQUIRE, {"keys": list(keys)})
-            return [
-                self._slot(k, o, session, c)
-                for k, (o, c) in zip(keys, result["slots"], strict=False)
-            ]
+            with self._parsing(p.Op.ACQUIRE):
+                return [
+                    self._slot(k, o, session, c)
+                    for k, (o, c) in zip(keys, result["slots"], strict=False)
+                ]
 
     def release(self, slots: Sequence[SlotRef]) -> None:
         """Unpin acquired slots or abandon reserved ones. Slots of a dead instance are ignored."""
-        with self._lock:
+        with self._op():
             live = [s.offset for s in slots if self._arena and s.instance == self._arena.instance]
             if live and self._sock is not None:
                 self._call(p.Op.RELEASE, {"slots": live})
@@ -191,7 +203,7 @@ class KVKeepClient:
         return SlotRef(key, offset, session.block_bytes, crc, self._arena.instance)
 
     def _call_ns(self, session: Session, op: p.Op, args: dict[str, Any]) -> dict[str, Any]:
-        with self._lock:
+        with self._op():
             return self._call(op, {**args, "ns": self._ns_id(session)})
 
     def _ns_id(self, session: Session) -> int:
@@ -203,8 +215,9 @@ class KVKeepClient:
                 "label": session.label,
             }
             reply = self._call(p.Op.HELLO, args)
-            self._map_arena(reply)
-            self._ns_ids[session] = reply["ns"]
+            with self._parsing(p.Op.HELLO):
+                self._map_arena(reply)
+                self._ns_ids[session] = int(reply["ns"])
         return self._ns_ids[session]
 
     def _map_arena(self, reply: dict[str, Any]) -> None:
@@ -221,35 +234,70 @@ class KVKeepClient:
         # The old map is left to the garbage collector: views of it may still be alive.
         self._arena = _Arena(reply["instance"], arena_map, tuple(reply["tiers"]))
 
+    @contextlib.contextmanager
+    def _parsing(self, op: p.Op) -> Iterator[None]:
+        """Turn a reply of the wrong shape into CacheUnavailable (and a fresh connection)."""
+        try:
+            yield
+        except (KeyError, IndexError, TypeError, ValueError, OSError) as exc:
+            self._fail()
+            raise CacheUnavailable(f"{op.value}: malformed reply: {exc!r}") from exc
+
+    @contextlib.contextmanager
+    def _op(self) -> Iterator[None]:
+        """Hold the connection for one call; the outermost call sets the deadline for all."""
+        deadline = time.monotonic() + self.timeout_s
+        if not self._lock.acquire(timeout=self.timeout_s):
+            raise CacheUnavailable("timed out waiting for another call on this client")
+        try:
+            if self._depth == 0:
+                self._deadline = deadline
+            self._depth += 1
+            yield
+        finally:
+            self._depth -= 1
+            self._lock.release()
+
+    def _remaining(self) -> float:
+        """Seconds left of the current call; raises TimeoutError when none are."""
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("deadline passed")
+        return left
+
     def _call(self, op: p.Op, args: dict[str, Any]) -> dict[str, Any]:
-        with self._lock:
+        with self._op():
             sock = self._ensure_connected()
             self._next_id += 1
             try:
+                sock.settimeout(self._remaining())
                 sock.sendall(p.frame(p.request_body(self._next_id, op, args)))
                 reply = self._read_reply(sock)
-            except (OSError, ValueError, msgpack.UnpackException) as exc:
+                return self._result(reply, op)
+            except (OSError, ValueError, msgpack.UnpackException, p.ProtocolError) as exc:
                 self._fail()
                 raise CacheUnavailable(f"{op.value} failed: {exc}") from exc
-            return self._result(reply, op)
 
     def _result(self, reply: dict[str, Any], op: p.Op) -> dict[str, Any]:
         if reply.get("id") != self._next_id or reply.get("v") != p.PROTOCOL_VERSION:
-            self._fail()
-            raise CacheUnavailable(f"{op.value}: reply out of step with the request")
+            raise ValueError("reply out of step with the request")
         if not reply.get("ok"):
-            error = reply.get("error") or {}
+            error = reply.get("error")
+            error = error if isinstance(error, dict) else {}
             if error.get("code") in {c.value for c in p.FATAL_CODES}:
                 self._disconnect()
             raise CacheRefused(str(error.get("code")), str(error.get("message")))
-        result: dict[str, Any] = reply["result"]
+        result = reply.get("result")
+        if not isinstance(result, dict):
+            raise ValueError("a reply without a result map")
         return result
 
     def _read_reply(self, sock: socket.socket) -> dict[str, Any]:
-        (length,) = p.FRAME_HEADER.unpack(_recv_exactly(sock, p.FRAME_HEADER.size))
+        header = _recv_exactly(sock, p.FRAME_HEADER.size, self._remaining)
+        (length,) = p.FRAME_HEADER.unpack(header)
         if length > p.MAX_FRAME_BYTES:
             raise ValueError(f"reply frame of {length} bytes")
-        return p.unpack(_recv_exactly(sock, length))
+        return p.unpack(_recv_exactly(sock, length, self._remaining))
 
     def _ensure_connected(self) -> socket.socket:
         if self._sock is not None:
@@ -274,8 +322,8 @@ class KVKeepClient:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             target = self.address
-        sock.settimeout(self.timeout_s)
         try:
+            sock.settimeout(self._remaining())
             sock.connect(target)
         except OSError:
             sock.close()
@@ -294,10 +342,12 @@ class KVKeepClient:
         self._ns_ids.clear()
 
 
-def _recv_exactly(sock: socket.socket, count: int) -> bytes:
+def _recv_exactly(sock: socket.socket, count: int, remaining: Callable[[], float]) -> bytes:
+    """``count`` bytes, each wait bounded by what is left of the call's deadline."""
     buf = bytearray(count)
     view, got = memoryview(buf), 0
     while got < count:
+        sock.settimeout(remaining())
         n = sock.recv_into(view[got:])
         if n == 0:
             raise ConnectionError("server closed the connection")
