@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import enum
+import logging
 import queue
 import threading
 from collections.abc import Sequence
@@ -20,6 +21,8 @@ from typing import NamedTuple
 
 from kvkeep.store.base import StoreKey, Tier, checksum
 from kvkeep.store.memory import ArenaTier, Pinned
+
+log = logging.getLogger("kvkeep.store")
 
 
 @dataclass(frozen=True)
@@ -214,8 +217,11 @@ class TieredStore:
         for tier in self._through:
             try:
                 tier.put(write.key, data, write.crc)
-            except OSError:
+            except Exception:
+                # An uncaught error here would end the writer: every later write would pile
+                # up pinned in the queue and close() would wait on it forever.
                 self.write_errors += 1
+                log.exception("write-through to %s failed", tier.name)
 
 
 class _Probe:
