@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import redis
 
-from kvkeep.store.redis_process import RedisProcess
+from kvkeep.store.redis_process import RedisProcess, create_cluster, free_cluster_port
 from kvkeep.store.remote import (
     VALUE_HEADER,
     RemoteConfig,
@@ -191,6 +191,29 @@ def test_full_queue_drops_and_counts(redis_server: RedisProcess) -> None:
     assert tier.stats().counters["dropped_puts"] == results.count(False)
     tier.close(drain_s=0.1)
     assert tier.stats().counters["dropped_puts"] + raw(redis_server).dbsize() == 20
+
+
+def test_a_cluster_from_a_seed_list(tmp_path: Path) -> None:
+    nodes = [
+        RedisProcess(tmp_path / f"n{i}", "32mb", port=free_cluster_port(), cluster=True)
+        for i in range(3)
+    ]
+    try:
+        for node in nodes:
+            node.start()
+        url = create_cluster(nodes)
+        writer = RemoteTier(RemoteConfig(url, timeout_s=0.5))
+        assert all(put(writer, i) for i in range(40)) and writer.flush()
+        assert writer.stats().counters["errors"] == 0
+        one_seed = f"valkey+cluster://127.0.0.1:{nodes[2].port}"
+        reader = RemoteTier(RemoteConfig(one_seed, timeout_s=0.5))
+        assert reader.contains_many([key(i) for i in range(41)]) == [True] * 40 + [False]
+        out = memoryview(bytearray(BLOCK))
+        assert reader.get(key(33), out) is not None and bytes(out) == payload(33, BLOCK)
+        writer.close(), reader.close()
+    finally:
+        for node in nodes:
+            node.stop()
 
 
 def test_server_side_lru_evicts_under_maxmemory(tmp_path: Path) -> None:

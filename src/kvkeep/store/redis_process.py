@@ -7,6 +7,7 @@ It runs with the settings kvkeep's remote tier expects of any shared store: a me
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -35,6 +36,26 @@ def free_port() -> int:
         return port
 
 
+def free_cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is free too and below 65536."""
+    for _ in range(200):
+        port = free_port()
+        if port > 55535:
+            port = random.randrange(20000, 55535)
+        if _free(port) and _free(port + 10000):
+            return port
+    raise RuntimeError("no free port pair for a redis cluster node")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 @dataclass
 class RedisProcess:
     """One redis-server in ``directory``. ``start`` blocks until it answers PING."""
@@ -42,6 +63,7 @@ class RedisProcess:
     directory: Path
     maxmemory: str = "256mb"
     port: int = field(default_factory=free_port)
+    cluster: bool = False  # a cluster node (join it with ``create_cluster``)
     proc: subprocess.Popen[bytes] | None = None
     paused: bool = False
 
@@ -73,6 +95,8 @@ class RedisProcess:
             "--maxmemory", self.maxmemory,
             "--maxmemory-policy", "allkeys-lru",
             "--daemonize", "no",
+            *(["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+              if self.cluster else []),
         ]  # fmt: skip
 
     def ping(self) -> bool:
@@ -113,3 +137,19 @@ class RedisProcess:
         """SIGCONT if paused, so that ``stop`` can end the process."""
         if self.paused and self.proc is not None:
             self.resume()
+
+
+def create_cluster(nodes: list[RedisProcess], timeout_s: float = 20.0) -> str:
+    """Join started cluster nodes (masters, no replicas) into one cluster and wait until it
+    serves every slot. Returns the seed-list URL kvkeep takes (``redis://H1:P1,H2:P2,...``)."""
+    addresses = [f"127.0.0.1:{n.port}" for n in nodes]
+    cli = redis_server_binary().replace("-server", "-cli")
+    command = [cli, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"]
+    subprocess.run(command, check=True, capture_output=True, timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    info = [cli, "-p", str(nodes[0].port), "cluster", "info"]
+    while b"cluster_state:ok" not in subprocess.run(info, capture_output=True).stdout:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the redis cluster did not reach cluster_state:ok")
+        time.sleep(0.1)
+    return "redis://" + ",".join(addresses)

@@ -166,7 +166,7 @@ def connect(config: RemoteConfig) -> Any:
     }
     if ep.cluster:
         seeds = [ClusterNode(host, port) for host, port in ep.nodes]
-        return RedisCluster(startup_nodes=seeds, cluster_error_retry_attempts=0, **common)
+        return RedisCluster(startup_nodes=seeds, **common)
     host, port = ep.nodes[0]
     return redis.Redis(host=host, port=port, db=ep.db, **common)
 
