@@ -63,7 +63,7 @@ def cache(tmp_path: Path) -> Iterator[CacheServerProcess]:
 
 
 def _prompts(seed: int) -> list[list[int]]:
-    """20 prompts of 150-2600 tokens; some share prefixes (as agent turns do) and one is long
+    """20 prompts of 150-4200 tokens; some share prefixes (as agent turns do) and one is long
     enough to be prefilled in two chunks (2048 tokens per step on CPU)."""
     rng = random.Random(seed)
     base = [rng.randrange(100, 1000) for _ in range(700)]
@@ -74,7 +74,7 @@ def _prompts(seed: int) -> list[list[int]]:
         elif i == 7:
             prompts.append([rng.randrange(100, 1000) for _ in range(4200)])
         else:
-            prompts.append([rng.randrange(100, 1000) for _ in range(rng.randrange(150, 2600))])
+            prompts.append([rng.randrange(100, 1000) for _ in range(rng.randrange(150, 1800))])
     return prompts
 
 
