@@ -14,7 +14,7 @@ import pytest
 from kvkeep.server.client import KVKeepClient
 
 from .conftest import Server
-from .helpers import BLOCK, NS, disk_stats
+from .helpers import BLOCK, NS, disk_stats, fetch, keys, payload, store
 
 CYCLES = 20
 WORKERS = 3
@@ -80,3 +80,21 @@ def test_reconnects_to_a_restarted_server(server: Server) -> None:
             assert time.monotonic() < deadline
             time.sleep(0.05)
     assert client.stats()["instance"] != first
+
+
+@pytest.mark.parametrize("how", ["terminate", "kill"])
+def test_first_call_after_a_restart_succeeds(server: Server, how: str) -> None:
+    """A connection closed by a restart is retried once at once, not counted as a miss."""
+    client = KVKeepClient(server.socket, timeout_s=1.0)
+    session = client.hello(NS, BLOCK)
+    block_keys = keys(3)
+    store(client, session, block_keys)
+    client.lookup(session, block_keys)  # the connection is in use and open
+    if how == "kill":
+        time.sleep(1.0)  # let write-behind reach the disk before the crash
+        server.kill()
+    else:
+        server.terminate()
+    server.start()
+    assert client.lookup(session, block_keys).num_present == 3  # no CacheUnavailable first
+    assert fetch(client, session, block_keys) == [payload(k).tobytes() for k in block_keys]

@@ -37,6 +37,10 @@ class CacheUnavailable(Exception):
     """The cache could not serve this call: down, timed out, disconnected, or refused it."""
 
 
+class _StaleConnection(CacheUnavailable):
+    """The connection was closed by the other side since it was last used."""
+
+
 class CacheRefused(CacheUnavailable):
     """The server answered with an error; ``code`` is the protocol error code."""
 
@@ -175,7 +179,7 @@ class KVKeepClient:
                 self._call(p.Op.RELEASE, {"slots": live})
 
     def stats(self) -> dict[str, Any]:
-        return self._call(p.Op.STATS, {})
+        return self._retrying(lambda: self._call(p.Op.STATS, {}))
 
     def slot_view(self, slot: SlotRef) -> np.ndarray:
         """A writable uint8 view of the slot's bytes in the shared arena (no copy)."""
@@ -203,8 +207,7 @@ class KVKeepClient:
         return SlotRef(key, offset, session.block_bytes, crc, self._arena.instance)
 
     def _call_ns(self, session: Session, op: p.Op, args: dict[str, Any]) -> dict[str, Any]:
-        with self._op():
-            return self._call(op, {**args, "ns": self._ns_id(session)})
+        return self._retrying(lambda: self._call(op, {**args, "ns": self._ns_id(session)}))
 
     def _ns_id(self, session: Session) -> int:
         self._ensure_connected()
@@ -267,6 +270,7 @@ class KVKeepClient:
 
     def _call(self, op: p.Op, args: dict[str, Any]) -> dict[str, Any]:
         with self._op():
+            reused = self._sock is not None
             sock = self._ensure_connected()
             self._next_id += 1
             try:
@@ -274,9 +278,27 @@ class KVKeepClient:
                 sock.sendall(p.frame(p.request_body(self._next_id, op, args)))
                 reply = self._read_reply(sock)
                 return self._result(reply, op)
+            except ConnectionError as exc:
+                if reused:  # the server went away since the last call: it may be back already
+                    self._disconnect()
+                    raise _StaleConnection(f"{op.value}: connection was closed: {exc}") from exc
+                self._fail()
+                raise CacheUnavailable(f"{op.value} failed: {exc}") from exc
             except (OSError, ValueError, msgpack.UnpackException, p.ProtocolError) as exc:
                 self._fail()
                 raise CacheUnavailable(f"{op.value} failed: {exc}") from exc
+
+    def _retrying(self, call: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """Run ``call``; if it found its connection closed, once more on a fresh one.
+
+        A restarted server closes every old connection. Without this, the first call after
+        any server restart would fail and back off, costing a miss per restart.
+        """
+        with self._op():
+            try:
+                return call()
+            except _StaleConnection:
+                return call()
 
     def _result(self, reply: dict[str, Any], op: p.Op) -> dict[str, Any]:
         if reply.get("id") != self._next_id or reply.get("v") != p.PROTOCOL_VERSION:
