@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvkeep-installed
 MODEL  := .cache/tiny-model
 
-.PHONY: setup model demo test lint unit e2e clean
+.PHONY: setup model demo test lint unit e2e clean redis
 
 setup: $(STAMP)
 
@@ -33,7 +33,12 @@ lint: setup
 	$(VENV)/bin/ruff format --check src tests
 	$(VENV)/bin/mypy
 
-test: setup model lint
+# The remote-tier tests run real redis-server processes (Debian 12 has redis-server 7.0 and no
+# valkey package; the protocol is the same). The tests start and stop their own on 127.0.0.1.
+redis:
+	scripts/redis-test-server.sh install
+
+test: setup model lint redis
 	KVKEEP_TINY_MODEL=$(abspath $(MODEL)) $(VENV)/bin/pytest -q
 
 unit: setup model
