@@ -75,7 +75,8 @@ def remote(cache: object) -> dict[str, int]:
 def test_replicas_share_one_store_and_survive_losing_it(
     tiny_model: Path, tmp_path: Path, redis_server: RedisProcess
 ) -> None:
-    spec = RemoteSpec(cache_ram="512MiB", rate="0")
+    # A generous store timeout: a miss under load would (correctly) turn a hit into a recompute.
+    spec = RemoteSpec(cache_ram="512MiB", rate="0", timeout_s=1.0)
     base = LaunchConfig(model=tiny_model, mode="kvkeep", max_model_len=8192,
                         log_dir=tmp_path / "logs")  # fmt: skip
     turns = session(seed=8)
