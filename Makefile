@@ -41,7 +41,7 @@ redis:
 test: setup model lint redis
 	KVKEEP_TINY_MODEL=$(abspath $(MODEL)) $(VENV)/bin/pytest -q
 
-unit: setup model
+unit: setup model redis
 	KVKEEP_TINY_MODEL=$(abspath $(MODEL)) $(VENV)/bin/pytest -q -m "not e2e"
 
 clean:

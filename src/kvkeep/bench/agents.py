@@ -102,8 +102,23 @@ def main(argv: list[str]) -> int:
     sc.add_session_args(p)
     p.add_argument("--agents", type=int, default=8)
     p.add_argument("--tool-delay", type=float, default=0.5, help="seconds a tool call takes")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="vLLM replicas, each with its own kvkeep server, turns round-robin",
+    )
+    p.add_argument(
+        "--remote",
+        metavar="URL",
+        help="with --replicas: the shared Valkey/Redis (default: a private one)",
+    )
+    p.add_argument("--no-shared-store", action="store_true",
+                   help="with --replicas: no shared tier, for comparison")  # fmt: skip
     p.set_defaults(scale=0.05)
     args = p.parse_args(argv[1:])
+    if args.replicas > 1:
+        return _main_replicas(args)
     try:
         scenario = AgentsScenario(
             sc.session_spec(args),
@@ -117,4 +132,36 @@ def main(argv: list[str]) -> int:
         print(f"kvkeep bench agents: {exc}", file=sys.stderr)
         return 1
     sc.write_outputs({"scenario": "agents", "modes": by["agents"]}, args)
+    return 0
+
+
+def _main_replicas(args: Any) -> int:
+    """`kvkeep bench agents --replicas N`: remote-tier hits across replicas."""
+    import sys
+
+    import httpx
+
+    from kvkeep.bench import scenarios as sc
+    from kvkeep.bench.remote_bench import RemoteSpec, ReplicatedAgentsScenario
+
+    if args.endpoint:
+        print("--replicas launches its own servers; --endpoint is not supported", file=sys.stderr)
+        return 2
+    scenario = ReplicatedAgentsScenario(
+        sc.session_spec(args),
+        sc.token_counter(args),
+        agents=args.agents,
+        replicas=args.replicas,
+        tool_delay_s=args.tool_delay,
+        remote=None if args.no_shared_store else RemoteSpec(url=args.remote),
+    )
+    base = sc.launch_config(args)
+    assert base is not None
+    try:
+        result = scenario.run(base)
+    except (ValueError, RuntimeError, httpx.HTTPError) as exc:
+        print(f"kvkeep bench agents --replicas: {exc}", file=sys.stderr)
+        return 1
+    name = "no shared store" if args.no_shared_store else "shared store"
+    sc.write_outputs({"scenario": "agents_replicas", "modes": {name: result}}, args)
     return 0

@@ -218,11 +218,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("--doc-tokens", type=int, default=d.doc_tokens)
     p.add_argument("--cache-ram", default=d.cache_ram)
     p.add_argument("--cache-disk", default=d.cache_disk)
+    p.add_argument("--remote", nargs="?", const="", metavar="URL",
+                   help="S4 through a shared Valkey/Redis: host A is lost, host B takes over "
+                        "(no URL: a private redis-server)")  # fmt: skip
     args = p.parse_args(argv[1:])
     if args.endpoint:
         print("kvkeep bench restart launches its own servers; --endpoint is not supported",
               file=sys.stderr)  # fmt: skip
         return 2
+    if args.remote is not None:
+        return _main_remote(args)
     spec = RestartSpec(args.docs, args.doc_tokens, cache_ram=args.cache_ram,
                        cache_disk=args.cache_disk)  # fmt: skip
     scenario = RestartScenario(spec)
@@ -237,4 +242,25 @@ def main(argv: list[str]) -> int:
         print(f"kvkeep bench restart: {exc}", file=sys.stderr)
         return 1
     sc.write_outputs({"scenario": "restart", "modes": modes}, args)
+    return 0
+
+
+def _main_remote(args: Any) -> int:
+    """`kvkeep bench restart --remote`: TTFT cold, from kvkeep RAM, and from the remote tier."""
+    import sys
+
+    from kvkeep.bench import scenarios as sc
+    from kvkeep.bench.remote_bench import RemoteRestartScenario, RemoteRestartSpec, RemoteSpec
+
+    spec = RemoteRestartSpec(docs=args.docs, doc_tokens=args.doc_tokens)
+    scenario = RemoteRestartScenario(spec, RemoteSpec(url=args.remote or None))
+    base = sc.launch_config(args)
+    assert base is not None
+    try:
+        result = scenario.run(replace(base, max_model_len=max(base.max_model_len,
+                                                              spec.max_model_len)))  # fmt: skip
+    except (ValueError, RuntimeError, httpx.HTTPError) as exc:
+        print(f"kvkeep bench restart --remote: {exc}", file=sys.stderr)
+        return 1
+    sc.write_outputs({"scenario": "restart_remote", "modes": {"kvkeep": result}}, args)
     return 0
