@@ -1,0 +1,47 @@
+"""The soak's pure parts: the fault schedule, counters across restarts, RSS growth."""
+
+from __future__ import annotations
+
+from kvkeep.bench.soak import Monotonic, Sample, SoakSpec, rss_growth, schedule
+
+
+def test_ten_minutes_schedule_six_kills_two_restarts() -> None:
+    events = schedule(SoakSpec(minutes=10))
+    kinds = [e.kind for e in events]
+    assert kinds.count("server_kill") == 6
+    assert kinds.count("engine_restart") == 2
+    assert kinds.count("corrupt_live") == 3
+    assert [e.t_s for e in events] == sorted(e.t_s for e in events)
+    assert all(e.t_s < 600 for e in events)
+    restarts = [e.t_s for e in events if e.kind == "engine_restart"]
+    kills = [e.t_s for e in events if e.kind == "server_kill"]
+    assert all(abs(k - r) >= 10 for k in kills for r in restarts)
+
+
+def test_no_corruption_when_off() -> None:
+    events = schedule(SoakSpec(minutes=10, corrupt=False))
+    assert "corrupt_live" not in {e.kind for e in events}
+
+
+def test_monotonic_sums_counters_across_restarts() -> None:
+    m = Monotonic()
+    m.see({"hits": 5})
+    m.see({"hits": 9})
+    m.see({"hits": 2})  # the process restarted: a new epoch
+    m.see({"hits": 4})
+    assert m.total("hits") == 13
+    assert m.total("absent") == 0
+
+
+def _sample(t: float, pid: int, gen: int, server: float, vllm: float) -> Sample:
+    return Sample(t, pid, gen, server, vllm, 0, 0, 0, 0)
+
+
+def test_rss_growth_is_measured_within_one_lifetime() -> None:
+    # vLLM generation 0 is flat at 1000 MB, generation 1 at 3000 MB: a restart, not a leak
+    samples = [_sample(t, 1, 0, 20, 1000) for t in range(9)]
+    samples += [_sample(t, 1, 1, 20, 3000) for t in range(9, 18)]
+    assert rss_growth(samples) == {"server_mb": 0.0, "vllm_mb": 0.0}
+    leaking = [_sample(t, 2, 0, 20 + 10 * t, 1000) for t in range(9)]
+    assert rss_growth(leaking)["server_mb"] == 30.0
+    assert rss_growth(leaking[:3]) == {"server_mb": None, "vllm_mb": None}
