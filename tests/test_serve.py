@@ -40,6 +40,16 @@ def test_dry_run_prints_the_server_and_vllm_commands(
     assert config["kv_connector_extra_config"]["socket"] == str(tmp_path / "kvkeep.sock")
 
 
+def test_dry_run_passes_the_remote_tier_to_the_cache_server(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    code = main(["m", "--dir", str(tmp_path), "--remote", "valkey://127.0.0.1:6380",
+                 "--remote-write", "evict", "--dry-run"])  # fmt: skip
+    assert code == 0
+    server = shlex.split(capsys.readouterr().out.splitlines()[1].rstrip(" &"))
+    assert server[-4:] == ["--remote", "valkey://127.0.0.1:6380", "--remote-write", "evict"]
+
+
 def test_a_bad_size_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert main(["m", "--dir", str(tmp_path), "--ram", "lots", "--dry-run"]) == 2
     assert "lots" in capsys.readouterr().err

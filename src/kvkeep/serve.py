@@ -56,6 +56,7 @@ class CacheServerConfig:
     ram: str = "4GiB"
     disk: str = "0"
     socket: str | None = None
+    extra_args: tuple[str, ...] = ()  # more `kvkeep server` flags, e.g. the remote tier
 
     def __post_init__(self) -> None:
         parse_size(self.ram)  # raises ValueError naming the bad size
@@ -73,6 +74,7 @@ class CacheServerConfig:
             "--ram", self.ram,
             "--disk", self.disk,
             "--socket", self.socket_path,
+            *self.extra_args,
         ]  # fmt: skip
 
 
@@ -173,6 +175,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--ram", default="4GiB", help="RAM tier size (default 4GiB)")
     ap.add_argument("--disk", default="0", help="disk tier size, e.g. 200GiB (default: off)")
     ap.add_argument("--socket", help="cache server socket (default DIR/kvkeep.sock)")
+    ap.add_argument(
+        "--remote",
+        metavar="URL",
+        help="shared tier on Valkey/Redis: valkey://HOST:PORT, redis://..., or a cluster seed list",
+    )
+    ap.add_argument("--remote-write", choices=("through", "evict"), default="through",
+                    help="write to the remote tier at once, or when it leaves RAM")  # fmt: skip
     ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     return ap
 
@@ -189,7 +198,9 @@ def main(argv: list[str]) -> int:
     own, vllm_args = split_args(argv)
     args = parser().parse_args(own)
     try:
-        cache = CacheServerConfig(args.dir, args.ram, args.disk, args.socket)
+        remote = ("--remote", args.remote, "--remote-write", args.remote_write)
+        extra = remote if args.remote else ()
+        cache = CacheServerConfig(args.dir, args.ram, args.disk, args.socket, extra)
     except ValueError as exc:
         print(f"kvkeep serve: {exc}", file=sys.stderr)
         return 2

@@ -74,23 +74,13 @@ class RemoteSpec:
         )  # fmt: skip
 
 
-@dataclass(frozen=True)
-class ReplicaCacheConfig(CacheServerConfig):
-    """A cache server config with extra ``kvkeep server`` arguments (the remote tier)."""
-
-    extra_args: tuple[str, ...] = ()
-
-    def command(self) -> list[str]:
-        return [*super().command(), *self.extra_args]
-
-
 class ReplicaCache:
     """One replica's kvkeep cache server, in a temporary directory removed by ``close``."""
 
     def __init__(self, spec: RemoteSpec, url: str | None, name: str) -> None:
         self.directory = Path(tempfile.mkdtemp(prefix=f"kvkeep-{name}-"))
         extra = spec.server_args(url) if url else ()
-        cfg = ReplicaCacheConfig(self.directory, spec.cache_ram, spec.cache_disk, None, extra)
+        cfg = CacheServerConfig(self.directory, spec.cache_ram, spec.cache_disk, None, extra)
         self.proc = CacheServerProcess(cfg)
 
     @property
