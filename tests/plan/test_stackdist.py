@@ -23,15 +23,17 @@ def trace_of(*requests: list[int], block_tokens: int = 4) -> BlockTrace:
 
 def brute_force_hits(trace: BlockTrace, capacity: int) -> int:
     """A real LRU cache of `capacity` blocks: longest cached prefix hits, then the request's
-    blocks are cached and freed last block first (so the first block is most recent)."""
-    cache: OrderedDict[int, None] = OrderedDict()
+    blocks, its output's tail blocks last, are cached and freed last block first (so the first
+    block is most recent)."""
+    cache: OrderedDict[object, None] = OrderedDict()
     hits = 0
-    for r in trace.requests:
+    for n, r in enumerate(trace.requests):
         for i, b in enumerate(r.blocks):
             if i >= r.hit_cap or b not in cache:
                 break
             hits += 1
-        for b in reversed(r.blocks):
+        tails = [("tail", n, j) for j in range(r.tail_blocks)]
+        for b in reversed([*r.blocks, *tails]):
             cache[b] = None
             cache.move_to_end(b)
             while len(cache) > capacity:
@@ -80,6 +82,19 @@ def test_hit_cap_leaves_the_last_block_to_compute() -> None:
     assert sd.token_hit_rate(10) == pytest.approx(4 / 16)
 
 
+def test_output_tail_blocks_take_slots_but_never_hit() -> None:
+    # r1 caches [0, 1] plus one block its output filled, freed first (so it sits below them);
+    # then r2 = [2]. Stack before r3, top first: 2, 0, 1, tail.
+    r1 = Request((0, 1), 8, 2, tail_blocks=1)
+    trace = BlockTrace((r1, Request((2,), 4, 1), Request((0, 1), 8, 2)), 4, "t", "vllm")
+    sd = stack_distances(trace)
+    assert sd.distances.tolist() == [COLD, COLD, COLD, 2, 3]
+    assert sd.distinct_blocks == 3  # the tail is no block of the working set
+    # r2's block at 3 (not 2): r1's tail pushed the older blocks down, then sank itself
+    trace = BlockTrace((Request((9,), 4, 1), r1, Request((9,), 4, 1)), 4, "t", "vllm")
+    assert stack_distances(trace).distances.tolist() == [COLD, COLD, COLD, 4]
+
+
 def test_vllm_rules_drop_the_partial_block() -> None:
     r = make_request([1, 2, 3], tokens=10, block_tokens=4, vllm_blocks=True)
     assert (r.blocks, r.hit_cap) == ((1, 2), 2)
@@ -101,7 +116,8 @@ def trie_traces(draw: st.DrawFn) -> BlockTrace:
             parent = children.setdefault((parent, choice), len(children))
             path.append(parent)
         cap = draw(st.integers(0, len(path)))
-        reqs.append(Request(tuple(path), len(path) * 4, cap))
+        tails = draw(st.integers(0, 2))
+        reqs.append(Request(tuple(path), len(path) * 4, cap, tail_blocks=tails))
     return BlockTrace(tuple(reqs), 4, "hypothesis", "trace")
 
 

@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from kvkeep.plan.trace import TraceError, measured_hit_rate, read_mooncake, read_trace
+from kvkeep.plan.trace import (
+    TraceError,
+    make_request,
+    measured_hit_rate,
+    read_mooncake,
+    read_trace,
+)
 
 GOOD = '{"timestamp": 1500, "input_length": 1000, "output_length": 7, "hash_ids": [0, 1]}'
 
@@ -75,3 +81,14 @@ def test_runner_output_is_one_growing_chain(tmp_path: Path) -> None:
 def test_runner_output_unknown_mode(tmp_path: Path) -> None:
     with pytest.raises(TraceError, match="no mode 'kvkeep'; it has prefix"):
         read_trace(runner_doc(tmp_path), 128, vllm_blocks=False, mode="kvkeep")
+
+
+@pytest.mark.parametrize(
+    ("tokens", "output", "tail"),
+    [(300, 16, 0), (250, 16, 1), (256, 1, 0), (256, 129, 1), (100, 300, 3)],
+)
+def test_vllm_rules_count_the_blocks_the_output_fills(tokens: int, output: int, tail: int) -> None:
+    """(tokens + output - 1) // B - tokens // B: the last sampled token never enters the KV."""
+    r = make_request(range(3), tokens, 128, True, output_tokens=output)
+    assert r.tail_blocks == tail
+    assert make_request(range(3), tokens, 128, False, output_tokens=output).tail_blocks == 0

@@ -25,6 +25,11 @@ nothing; on a malformed one it enforces prefix semantics explicitly.
 **Hit cap.** References past a request's ``hit_cap`` (vLLM always computes at least one
 token) are touched like any other but never hit: their effective distance is :data:`COLD`.
 
+**Tail blocks.** The blocks a request's output fills are cached too, and freed before its
+prompt blocks (they come last). The replay touches that many fresh ids, never referenced
+again, before the prompt blocks: they are not references and never hit, but each one pushes
+every older block one slot further down the stack, as it takes a slot in vLLM's pool.
+
 The positions are counted with a Fenwick tree over touch times: a time slot holds 1 while it
 is the latest touch of its block, so a block's stack position is the number of marked slots at
 or after its latest touch. That is O(log n) per reference, O(n log n) in all.
@@ -152,7 +157,8 @@ def stack_distances(trace: BlockTrace) -> StackDistances:
 
     Pure: the trace is not modified. O(n log n) in the number of block references.
     """
-    stack = _LRUStack(trace.references)
+    tails = sum(r.tail_blocks for r in trace.requests)
+    stack = _LRUStack(trace.references + tails)
     dist: list[int] = []
     weights: list[int] = []
     starts: list[int] = []
@@ -160,6 +166,8 @@ def stack_distances(trace: BlockTrace) -> StackDistances:
         starts.append(len(dist))
         dist.extend(_effective(stack, request))
         weights.extend(_weights(request, trace.block_tokens))
+        for _ in range(request.tail_blocks):
+            stack.touch(-stack.now - 1)  # a fresh id: real block ids are >= 0
         for block in reversed(request.blocks):
             stack.touch(block)
     return StackDistances(
@@ -167,7 +175,7 @@ def stack_distances(trace: BlockTrace) -> StackDistances:
         weights=np.asarray(weights, dtype=np.int64),
         request_starts=np.asarray(starts, dtype=np.int64),
         prompt_tokens=trace.prompt_tokens,
-        distinct_blocks=len(stack.last),
+        distinct_blocks=len(stack.last) - tails,
     )
 
 

@@ -13,7 +13,11 @@ share block id ``x`` at position ``i`` share their first ``i + 1`` blocks. Reade
 
 vLLM's rules (``vllm_blocks``): only full blocks are cached, and at least one prompt token is
 always computed, so a request of ``n`` tokens holds ``n // B`` blocks of which at most
-``(n - 1) // B`` may hit.
+``(n - 1) // B`` may hit. A request that generates ``o`` tokens also caches the blocks its
+output fills, ``(n + o - 1) // B - n // B`` of them (the last sampled token never enters the
+KV cache): vLLM hashes a block once it is full, whoever wrote it. They are ``tail_blocks``: no
+later prompt reads them (a chat template re-renders the reply, so its tokens differ), but they
+take LRU slots. A block left partial is not cached and goes back to the free pool first.
 
 Every error raised while reading is a :class:`TraceError` naming the file, the line and what
 is wrong with it.
@@ -36,7 +40,8 @@ class Request(NamedTuple):
     """One request of a block trace.
 
     ``blocks`` are prefix block ids in prompt order; ``tokens`` the prompt length; at most the
-    first ``hit_cap`` blocks may hit. ``stream`` names the agent or session it belongs to.
+    first ``hit_cap`` blocks may hit. ``stream`` names the agent or session it belongs to;
+    ``tail_blocks`` counts the blocks its output fills (cached, never read again).
     """
 
     blocks: tuple[int, ...]
@@ -45,6 +50,7 @@ class Request(NamedTuple):
     time_s: float = 0.0
     output_tokens: int = 0
     stream: int = 0
+    tail_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -86,7 +92,9 @@ def make_request(
     if not vllm_blocks:
         return Request(tuple(blocks), tokens, len(blocks), **extra)
     full = tuple(blocks[: tokens // block_tokens])
-    return Request(full, tokens, max(0, (tokens - 1) // block_tokens), **extra)
+    written = tokens + max(0, extra.get("output_tokens", 0) - 1)
+    tail = written // block_tokens - tokens // block_tokens
+    return Request(full, tokens, max(0, (tokens - 1) // block_tokens), tail_blocks=tail, **extra)
 
 
 def read_mooncake(path: Path, block_tokens: int = 512, vllm_blocks: bool = False) -> BlockTrace:
