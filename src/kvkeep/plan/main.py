@@ -4,6 +4,7 @@
     kvkeep plan --session --agents 8 --tokenizer MODEL_DIR --model llama-3.1-8b \\
         --device-gib 20 --ram 64GiB --disk 1TiB --prefill-s-per-token 2e-4 --store-bench s.json
     kvkeep plan --tiles 48 --doc-tokens 16000 --rounds 2 --model qwen3-32b --device-gib 40 ...
+    kvkeep plan --compare kvkeep-report/results.json     # predicted vs `kvkeep bench` measured
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvkeep.bench.workload import STUDY_TURNS, SessionSpec
+from kvkeep.plan import compare
 from kvkeep.plan.cost import PrefillModel, Workload, calibrate, estimate, load_verdict
 from kvkeep.plan.footprint import KVFootprint, resolve_model
 from kvkeep.plan.report import Findings, plot, recommend, to_json
@@ -35,6 +37,12 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--trace", type=Path, help="Mooncake JSONL, or `kvkeep bench session --json`")
     w.add_argument("--session", action="store_true", help="kvkeep's generated agent sessions")
     w.add_argument("--tiles", type=int, metavar="N", help="N documents queried in tile order")
+    w.add_argument(
+        "--compare",
+        type=Path,
+        metavar="RESULTS",
+        help="bench results.json (all, capacity or agents): predicted vs measured hit rates",
+    )
     src.add_argument("--block-tokens", type=int, help="default 512 for --trace, else 128 (CPU)")
     src.add_argument(
         "--vllm-blocks",
@@ -180,8 +188,26 @@ def _costs(
     return estimates, [v for v in verdicts if v is not None]
 
 
+def compare_main(args: argparse.Namespace) -> int:
+    """`--compare`: the planner's hit rates next to a bench run's, as a table (and --json)."""
+    model = Path(args.model) if args.model else args.tokenizer
+    config = compare.CompareConfig(model, args.ram, args.disk)
+    try:
+        result = compare.compare(args.compare, config)
+    except (TraceError, ValueError, KeyError, OSError) as exc:
+        print(f"kvkeep plan --compare: {exc}", file=sys.stderr)
+        return 2
+    print("\n".join(compare.table(result)), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(compare.to_json(result), indent=2) + "\n")
+        print(f"JSON written to {args.json}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
+    if args.compare:
+        return compare_main(args)
     t0 = time.perf_counter()
     try:
         findings = analyse(args)

