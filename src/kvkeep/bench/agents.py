@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from tqdm import tqdm
@@ -63,6 +63,11 @@ class AgentsScenario:
         if self.pool_tokens:
             out["working_set_over_pool"] = working_set / self.pool_tokens
         out["tool_delay_s"] = self.tool_delay_s
+        out["spec"] = asdict(self.spec)
+        out["block_size"] = self.block_size
+        out["prompt_tokens"] = prompt
+        if self.pool_tokens:
+            out["pool_blocks"] = self.pool_tokens // self.block_size
         return out
 
 

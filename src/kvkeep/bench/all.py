@@ -181,6 +181,9 @@ def main(argv: list[str]) -> int:
         "modes": args.modes,
         "model": str(args.model),
         "pool_blocks": size.pool_blocks,
+        "block_size": BLOCK,
+        "cache_ram": RestartSpec().cache_ram,
+        "cache_disk": RestartSpec().cache_disk,
         "reserved_cpus": args.reserved_cpus,
         "mode_descriptions": {m: MODES[m].description for m in args.modes},
     }

@@ -96,6 +96,9 @@ class CapacityScenario:
             "doc_tokens": self.spec.doc_tokens,
             "pool_blocks": self.spec.pool_blocks,
             "k": self.spec.k,
+            "rounds_measured": len(measured),
+            "question_tokens": QUESTION_TOKENS,
+            "block_size": self.spec.block_size,
         }
 
     async def _round(self, client, model, probe, docs, r, bar) -> dict[str, Any]:  # type: ignore[no-untyped-def]

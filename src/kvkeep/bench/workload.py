@@ -40,6 +40,7 @@ STUDY_FINAL_CONTEXT = 115_000
 STUDY_SYSTEM_TOKENS = 10_000
 GROWTH_EXPONENT = 0.8
 CHARS_PER_TOKEN = 3.5
+MAX_CHARS_PER_TOKEN = 16
 MESSAGE_OVERHEAD_TOKENS = 6  # role markers and newlines a chat template wraps a message in
 DEFAULT_SCALE = 0.4  # mode `none` finishes a session in about 7 minutes on 2 cores (measured)
 
@@ -259,6 +260,7 @@ def _fit(text: str, tokens: int, counter: TokenCounter) -> str:
     """The longest prefix of `text` (cut at a line end) with at most about `tokens` tokens."""
     if tokens <= 0:
         return ""
+    text = text[: tokens * MAX_CHARS_PER_TOKEN]  # bound the search: no token is this long
     if counter.count(text) <= tokens:
         return text
     lo, hi = 0, len(text)
