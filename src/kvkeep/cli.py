@@ -35,6 +35,7 @@ BENCHES: dict[str, Route] = {
     "hol": Route("kvkeep.bench.hol", "a cached request beside a large prefill (S6)"),
     "restart": Route("kvkeep.bench.restart", "hits and TTFT after vLLM and cache restarts (S4)"),
     "all": Route("kvkeep.bench.all", "S1-S6 side by side: report.md, report.html, plots"),
+    "soak": Route("kvkeep.bench.soak", "agents while the cache and engine are killed"),
     "store": Route("kvkeep.bench.store_bench", "cache-server and tier bandwidth"),
 }
 
