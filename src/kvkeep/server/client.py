@@ -171,12 +171,20 @@ class KVKeepClient:
                     for k, (o, c) in zip(keys, result["slots"], strict=False)
                 ]
 
-    def release(self, slots: Sequence[SlotRef]) -> None:
-        """Unpin acquired slots or abandon reserved ones. Slots of a dead instance are ignored."""
+    def release(self, slots: Sequence[SlotRef], corrupt: Sequence[SlotRef] = ()) -> None:
+        """Unpin acquired slots or abandon reserved ones. Slots of a dead instance are ignored.
+
+        ``corrupt``: acquired slots among ``slots`` that failed ``verify``; the server checks
+        them again and drops those whose bytes are bad, so a later save can replace them.
+        """
         with self._op():
             live = [s.offset for s in slots if self._arena and s.instance == self._arena.instance]
             if live and self._sock is not None:
-                self._call(p.Op.RELEASE, {"slots": live})
+                args: dict[str, Any] = {"slots": live}
+                bad = [s.offset for s in corrupt if s.offset in live]
+                if bad:
+                    args["corrupt"] = bad
+                self._call(p.Op.RELEASE, args)
 
     def stats(self) -> dict[str, Any]:
         return self._retrying(lambda: self._call(p.Op.STATS, {}))

@@ -375,12 +375,20 @@ class CacheServer:
         return [hit for hit in leading if hit is not None]
 
     def _release(self, conn: _Connection, args: dict[str, Any]) -> dict[str, Any]:
+        """Unpin or abandon ``slots``. ``corrupt`` (optional) names pinned slots whose bytes
+        failed the client's checksum: each is re-checked here and, if its bytes really are
+        bad and no one else reads it, dropped, so the engine's next save replaces it
+        (otherwise it would stay a miss for good: a save skips keys already held)."""
+        corrupt = p.arg_int_list(args, "corrupt", 1) if "corrupt" in args else []
         for offset in p.arg_int_list(args, "slots", 1):
             if conn.reservations.pop(offset, None) is not None:
                 self.store.ram.abort(offset)
             elif conn.pins[offset] > 0:
                 conn.pins[offset] -= 1
                 self.store.release(offset)
+        for offset in corrupt:
+            if self.store.ram.discard_corrupt(offset):
+                log.warning("dropped a block whose bytes in RAM failed a client's checksum")
         return {}
 
     def _stats(self, conn: _Connection, args: dict[str, Any]) -> dict[str, Any]:

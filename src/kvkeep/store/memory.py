@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from kvkeep.store.base import Found, StoreKey, TierCounters, TierStats
+from kvkeep.store.base import Found, StoreKey, TierCounters, TierStats, checksum
 from kvkeep.store.policy import LruPolicy
 
 SLOT_ALIGN = 64
@@ -233,6 +233,21 @@ class ArenaTier:
             slot = self._slots.get(offset)
             if slot is not None and slot.pins > 0:
                 slot.pins -= 1
+
+    def discard_corrupt(self, offset: int) -> bool:
+        """Drop the committed, unpinned slot at ``offset`` if its bytes no longer match its
+        checksum (counted in ``checksum_failures``); the bytes go to no lower tier. False,
+        and nothing changes, for a slot that is intact, pinned, or not committed."""
+        with self._lock:
+            slot = self._slots.get(offset)
+            if slot is None or not slot.committed or slot.pins:
+                return False
+            if checksum(self.view(offset, slot.length)) == slot.checksum:
+                return False
+            self._counters.checksum_failures += 1
+            self._bytes_used -= slot.length
+            self._free(offset)
+            return True
 
     def view(self, offset: int, length: int) -> memoryview:
         return self.arena.view(offset, length)

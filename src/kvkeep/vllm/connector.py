@@ -445,6 +445,7 @@ class _WorkerSide:
         if self.layout is None:
             return 0
         slots: list[SlotRef] = []
+        corrupt: list[SlotRef] = []
         done = 0
         try:
             session = self._session(plan)
@@ -452,21 +453,22 @@ class _WorkerSide:
             for block, slot in zip(request.blocks, slots, strict=False):
                 if slot.key != block.key or not self.client.verify(slot):
                     log.warning("kvkeep: block %s failed its checksum", block.key.hex()[:12])
+                    corrupt.append(slot)  # reported, so the server drops it and we re-save
                     break
                 self.layout.scatter(block.block_id, self.client.slot_view(slot))
                 done += 1
         except Exception as exc:
             log.warning("kvkeep: load of %s stopped after %d blocks: %s", request.req_id, done, exc)
         finally:
-            self._release(slots)
+            self._release(slots, corrupt)
         return done
 
-    def _release(self, slots: Sequence[SlotRef]) -> None:
+    def _release(self, slots: Sequence[SlotRef], corrupt: Sequence[SlotRef] = ()) -> None:
         if not slots:
             return
         # On failure the server drops a dead connection's pins itself.
         with contextlib.suppress(CacheUnavailable):
-            self.client.release(slots)
+            self.client.release(slots, corrupt)
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
