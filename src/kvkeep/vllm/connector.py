@@ -453,7 +453,9 @@ class _WorkerSide:
             for block, slot in zip(request.blocks, slots, strict=False):
                 if slot.key != block.key or not self.client.verify(slot):
                     log.warning("kvkeep: block %s failed its checksum", block.key.hex()[:12])
-                    corrupt.append(slot)  # reported, so the server drops it and we re-save
+                    # Report every bad one of the rest too (this path is rare): the server
+                    # drops them, so one pass is enough for loads or saves to replace them.
+                    corrupt = [s for s in slots[done:] if not self.client.verify(s)]
                     break
                 self.layout.scatter(block.block_id, self.client.slot_view(slot))
                 done += 1
