@@ -38,12 +38,18 @@ QUESTION_TOKENS = 16
 
 @dataclass(frozen=True)
 class RestartSpec:
-    docs: int = 4
+    docs: int = 4  # after a restart the first takes the one-time costs; the rest are timed
     doc_tokens: int = 8192
     block_size: int = 128
     cache_ram: str = "1GiB"
     cache_disk: str = "2GiB"
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.docs < 2:
+            raise ValueError("--docs must be at least 2: one takes a restart's first-request cost")
+        if self.doc_tokens < 2 * self.block_size:
+            raise ValueError(f"--doc-tokens must be at least {2 * self.block_size}")
 
     @property
     def max_model_len(self) -> int:
@@ -139,12 +145,12 @@ class RestartScenario:
             server.stop()
             server = VLLMServer(cfg).start()
             out["restart_ready_s"] = time.monotonic() - t0
-            out["after_engine_restart"] = self._query(Probe(server.url, stats), docs)
+            out["after_engine_restart"] = self._after_restart(Probe(server.url, stats), docs)
             if cache is not None:
                 for how in ("sigterm", "sigkill"):
                     cache.restart(how)
                     _reset_device_cache(server.url)
-                    out[f"after_server_{how}"] = self._query(Probe(server.url, stats), docs)
+                    out[f"after_server_{how}"] = self._after_restart(Probe(server.url, stats), docs)
         finally:
             server.stop()
         return _flatten(out)
@@ -155,6 +161,16 @@ class RestartScenario:
             [rng.randrange(100, 1000) for _ in range(self.spec.doc_tokens)]
             for _ in range(self.spec.docs)
         ]
+
+    def _after_restart(self, probe: Probe, docs: list[list[int]]) -> dict[str, Any]:
+        """Query after a restart. The first request after any start is slow in every mode
+        (and maps the new arena with kvkeep): the first document takes that cost, unmeasured;
+        its hits still count, so a cache that lost it shows."""
+        canary = self._query(probe, docs[:1])
+        rest = self._query(probe, docs[1:])
+        n = len(docs) - 1
+        hit = (canary["hit_rate"] + n * rest["hit_rate"]) / (n + 1)
+        return {**rest, "hit_rate": hit, "canary_ttft_s": canary["ttft_s"]}
 
     def _query(self, probe: Probe, docs: list[list[int]]) -> dict[str, Any]:
         return asyncio.run(self._query_async(probe, docs))
