@@ -1,0 +1,28 @@
+"""A short `kvkeep bench soak`: agents on kvkeep while the cache server is SIGKILLed (and its
+disk corrupted) and vLLM restarted; no request may fail and no output may differ from the
+no-cache reference. About 3 minutes on 2 cores (two vLLM starts)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvkeep.bench.soak import SoakSetup, SoakSpec, run, table
+
+pytestmark = pytest.mark.e2e
+
+
+def test_short_soak_has_no_failed_request_and_no_wrong_output(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    spec = SoakSpec(minutes=1.5, kill_every_s=12.0, restart_every_s=30.0)
+    doc = run(spec, SoakSetup(tiny_model, tmp_path / "logs"))
+    print(table(doc))
+    assert doc["failed_requests"] == 0, doc["errors"]
+    assert doc["wrong_outputs"] == 0
+    assert doc["logprob_mismatches"] == 0
+    assert doc["server_kills"] >= 3
+    assert doc["engine_restarts"] >= 1
+    assert doc["kvkeep_hit_blocks"] > 0
+    assert not doc["fault_errors"]
