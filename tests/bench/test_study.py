@@ -8,7 +8,7 @@ import pytest
 
 from kvkeep.bench import report
 from kvkeep.bench.agents import summarize_agents
-from kvkeep.bench.capacity import CapacitySpec, documents
+from kvkeep.bench.capacity import CapacitySpec, capacity_documents
 from kvkeep.bench.probe import Counters, cacheable_tokens, hit_split
 from kvkeep.bench.restart import _flatten
 from kvkeep.bench.runner import TurnResult
@@ -38,11 +38,11 @@ def test_hit_split_by_device_connector_and_kvkeep_tiers() -> None:
 
 def test_capacity_documents_total_k_times_the_pool() -> None:
     spec = CapacitySpec(pool_blocks=64, k=4, doc_tokens=1024, rounds=2)
-    docs = documents(spec)
+    docs = capacity_documents(spec)
     assert len(docs) == spec.num_docs == 32
     assert sum(len(d) for d in docs) == 4 * 64 * 128
     assert len({tuple(d[:8]) for d in docs}) == len(docs)  # no two documents share a prefix
-    assert documents(spec) == docs  # deterministic
+    assert capacity_documents(spec) == docs  # deterministic
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import random
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -22,10 +21,9 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
+from kvkeep.bench.documents import QUESTION_TOKENS, documents, question
 from kvkeep.bench.probe import Probe, cacheable_tokens, hit_split
 from kvkeep.bench.runner import complete_ids, discover_model
-
-QUESTION_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -58,12 +56,9 @@ class CapacitySpec:
         return self.doc_tokens + QUESTION_TOKENS + 64
 
 
-def documents(spec: CapacitySpec) -> list[list[int]]:
+def capacity_documents(spec: CapacitySpec) -> list[list[int]]:
     """`num_docs` distinct token-id documents (deterministic in the seed)."""
-    rng = random.Random(f"kvkeep-capacity:{spec.seed}")
-    return [
-        [rng.randrange(100, 1000) for _ in range(spec.doc_tokens)] for _ in range(spec.num_docs)
-    ]
+    return documents(spec.num_docs, spec.doc_tokens, f"capacity:{spec.seed}")
 
 
 @dataclass
@@ -80,7 +75,7 @@ class CapacityScenario:
         return asyncio.run(self._run(Probe(url, self.probe_stats)))
 
     async def _run(self, probe: Probe) -> dict[str, Any]:
-        docs = documents(self.spec)
+        docs = capacity_documents(self.spec)
         rounds: list[dict[str, Any]] = []
         async with httpx.AsyncClient() as client:
             model = await discover_model(client, probe.url)
@@ -107,8 +102,7 @@ class CapacityScenario:
         cacheable = 0
         t0 = time.perf_counter()
         for i, doc in enumerate(docs):
-            question = [10 + (r * 7 + i + j) % 90 for j in range(QUESTION_TOKENS)]
-            s = await complete_ids(client, probe.url, model, doc + question)
+            s = await complete_ids(client, probe.url, model, doc + question(i, salt=r))
             ttfts.append(s.ttft_s)
             cacheable += cacheable_tokens(s.prompt_tokens, self.spec.block_size)
             bar.update()

@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import random
 import shutil
-import statistics
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -32,9 +31,10 @@ from typing import Any
 
 import httpx
 
+from kvkeep.bench.documents import QUESTION_TOKENS, documents, query, reset_device_cache
 from kvkeep.bench.launch import LaunchConfig, VLLMServer
-from kvkeep.bench.probe import Counters, Probe, cacheable_tokens, hit_split
-from kvkeep.bench.restart import QUESTION_TOKENS, dev_env
+from kvkeep.bench.probe import Counters, Probe, hit_split
+from kvkeep.bench.restart import dev_env
 from kvkeep.bench.runner import (
     REQUEST_TIMEOUT_S,
     TurnResult,
@@ -162,16 +162,6 @@ def kv_bytes_per_token(model: Path) -> int:
     return int(footprint_from_file(model / "config.json").bytes_per_token())
 
 
-def reset_device_cache(url: str) -> None:
-    """Empty vLLM's device prefix cache, keep kvkeep's (needs VLLM_SERVER_DEV_MODE=1)."""
-    for _ in range(20):
-        r = httpx.post(f"{url}/reset_prefix_cache", params={"reset_external": "false"}, timeout=30)
-        if r.status_code == 200:
-            return
-        time.sleep(0.5)
-    raise RuntimeError(f"{url}/reset_prefix_cache failed: HTTP {r.status_code} {r.text}")
-
-
 # --- restart --remote -----------------------------------------------------------------------
 
 
@@ -236,11 +226,8 @@ class RemoteRestartScenario:
         return {"remote": remote, "ram_after_remote": ram_b, "b_remote": stats}
 
     def _docs(self) -> list[list[int]]:
-        rng = random.Random(f"kvkeep-remote:{self.spec.seed}:{time.time_ns()}")
-        return [
-            [rng.randrange(100, 1000) for _ in range(self.spec.doc_tokens)]
-            for _ in range(self.spec.docs)
-        ]
+        seed = f"remote:{self.spec.seed}:{time.time_ns()}"
+        return documents(self.spec.docs, self.spec.doc_tokens, seed)
 
 
 def warm_up(url: str) -> None:
@@ -253,25 +240,6 @@ def warm_up(url: str) -> None:
 async def _warm_up(url: str, prompt: list[int]) -> None:
     async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as client:
         await complete_ids(client, url, await discover_model(client, url), prompt)
-
-
-def query(probe: Probe, docs: list[list[int]], block_size: int) -> dict[str, Any]:
-    """Each document once (plus a fixed question): TTFTs and where the hits came from."""
-    return asyncio.run(_query(probe, docs, block_size))
-
-
-async def _query(probe: Probe, docs: list[list[int]], block_size: int) -> dict[str, Any]:
-    before = probe.snapshot()
-    ttfts, cacheable = [], 0
-    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as client:
-        model = await discover_model(client, probe.url)
-        for i, doc in enumerate(docs):
-            question = [10 + (i * 13 + j) % 90 for j in range(QUESTION_TOKENS)]
-            stats = await complete_ids(client, probe.url, model, doc + question)
-            ttfts.append(stats.ttft_s)
-            cacheable += cacheable_tokens(stats.prompt_tokens, block_size)
-    rates = hit_split(probe.delta(before), cacheable, block_size)
-    return {**rates, "ttft_s": statistics.fmean(ttfts), "ttfts_s": ttfts}
 
 
 def summarize_restart(out: dict[str, Any], doc_tokens: int) -> dict[str, Any]:

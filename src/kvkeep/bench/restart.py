@@ -13,10 +13,8 @@ mode in the same run: the study saw LMCache add 20-30 s to a restart.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
-import random
 import shutil
 import signal
 import tempfile
@@ -28,12 +26,10 @@ from typing import Any
 
 import httpx
 
+from kvkeep.bench.documents import QUESTION_TOKENS, documents, query, reset_device_cache
 from kvkeep.bench.launch import LaunchConfig, VLLMServer
-from kvkeep.bench.probe import Probe, cacheable_tokens, hit_split
-from kvkeep.bench.runner import complete_ids, discover_model
+from kvkeep.bench.probe import Probe
 from kvkeep.serve import CacheServerConfig, CacheServerProcess
-
-QUESTION_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -149,18 +145,15 @@ class RestartScenario:
             if cache is not None:
                 for how in ("sigterm", "sigkill"):
                     cache.restart(how)
-                    _reset_device_cache(server.url)
+                    reset_device_cache(server.url)
                     out[f"after_server_{how}"] = self._after_restart(Probe(server.url, stats), docs)
         finally:
             server.stop()
         return _flatten(out)
 
     def _docs(self) -> list[list[int]]:
-        rng = random.Random(f"kvkeep-restart:{self.spec.seed}:{time.time_ns()}")
-        return [
-            [rng.randrange(100, 1000) for _ in range(self.spec.doc_tokens)]
-            for _ in range(self.spec.docs)
-        ]
+        seed = f"restart:{self.spec.seed}:{time.time_ns()}"
+        return documents(self.spec.docs, self.spec.doc_tokens, seed)
 
     def _after_restart(self, probe: Probe, docs: list[list[int]]) -> dict[str, Any]:
         """Query after a restart. The first request after any start is slow in every mode
@@ -173,30 +166,7 @@ class RestartScenario:
         return {**rest, "hit_rate": hit, "canary_ttft_s": canary["ttft_s"]}
 
     def _query(self, probe: Probe, docs: list[list[int]]) -> dict[str, Any]:
-        return asyncio.run(self._query_async(probe, docs))
-
-    async def _query_async(self, probe: Probe, docs: list[list[int]]) -> dict[str, Any]:
-        before = probe.snapshot()
-        ttfts, cacheable = [], 0
-        async with httpx.AsyncClient() as client:
-            model = await discover_model(client, probe.url)
-            for i, doc in enumerate(docs):
-                question = [10 + (i * 13 + j) % 90 for j in range(QUESTION_TOKENS)]
-                s = await complete_ids(client, probe.url, model, doc + question)
-                ttfts.append(s.ttft_s)
-                cacheable += cacheable_tokens(s.prompt_tokens, self.spec.block_size)
-        rates = hit_split(probe.delta(before), cacheable, self.spec.block_size)
-        return {**rates, "ttft_s": sum(ttfts) / len(ttfts)}
-
-
-def _reset_device_cache(url: str) -> None:
-    """Empty vLLM's device prefix cache (needs VLLM_SERVER_DEV_MODE=1), keep kvkeep's."""
-    for _ in range(20):
-        r = httpx.post(f"{url}/reset_prefix_cache", params={"reset_external": "false"}, timeout=30)
-        if r.status_code == 200 and r.json().get("success"):
-            return
-        time.sleep(0.5)
-    raise RuntimeError(f"{url}/reset_prefix_cache did not succeed: HTTP {r.status_code} {r.text}")
+        return query(probe, docs, self.spec.block_size)
 
 
 def _flatten(out: dict[str, Any]) -> dict[str, Any]:
