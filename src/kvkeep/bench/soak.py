@@ -545,8 +545,16 @@ async def _turn(
                 tally.errors.append(f"agent {agent} turn {turn.index}: {exc!r}"[:300])
                 await asyncio.sleep(1.0)
             continue
+        if engine.generation != generation:
+            # vLLM's shutdown aborts requests in flight, and may answer them with 200 and a
+            # truncated output: a reply that spans a restart is the restart's, not kvkeep's
+            tally.lost_to_engine_restart += 1
+            continue
         diff = _logprob_diff(reply, ref)
         wrong = reply.token_ids != ref.token_ids
+        if wrong or diff > LOGPROB_TOL:
+            tally.errors.append(f"agent {agent} turn {turn.index} at {start - t0:.1f} s: "
+                                f"{reply.token_ids} vs reference {ref.token_ids}")  # fmt: skip
         tally.results.append(
             Result(
                 start - t0,
