@@ -177,12 +177,13 @@ def rig(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     cache = CacheServerProcess(CacheServerConfig(directory, ram="512MiB", disk="1GiB"))
     cache.ensure()
     log_dir = tmp_path_factory.mktemp("faults-logs")
-    vllm = VLLMServer(_config(tiny_model, cache.cfg.socket_path, log_dir))
+    rig = Rig(cache, VLLMServer(_config(tiny_model, cache.cfg.socket_path, log_dir)),
+              random.Random(11))  # fmt: skip
     try:
-        vllm.start()
-        yield Rig(cache, vllm, random.Random(11))
+        rig.vllm.start()
+        yield rig
     finally:
-        vllm.stop()
+        rig.vllm.stop()  # the current one: a test may have replaced it
         if cache.pid is not None:
             os.kill(cache.pid, signal.SIGCONT)  # never leave a stopped process behind
         cache.stop()
