@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -13,7 +14,10 @@ from kvkeep.plan.main import main
 MOONCAKE = Path(__file__).resolve().parents[3] / "shared/data/mooncake-synthetic-trace.jsonl"
 
 
-@pytest.mark.skipif(not MOONCAKE.is_file(), reason="shared Mooncake trace not present")
+@pytest.mark.skipif(
+    not MOONCAKE.is_file() and not os.environ.get("CI"),  # in CI a missing trace fails
+    reason="the shared Mooncake trace is not beside this checkout",
+)
 def test_acceptance_on_the_mooncake_trace(tmp_path: Path) -> None:
     out = tmp_path / "p.json"
     t0 = time.perf_counter()

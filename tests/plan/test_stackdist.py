@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -137,7 +138,10 @@ def test_curve_is_monotone_and_ends_at_the_ceiling() -> None:
     assert rates[-1] == pytest.approx(sd.ceiling())
 
 
-@pytest.mark.skipif(not MOONCAKE.is_file(), reason="shared Mooncake trace not present")
+@pytest.mark.skipif(
+    not MOONCAKE.is_file() and not os.environ.get("CI"),  # in CI a missing trace fails
+    reason="the shared Mooncake trace is not beside this checkout",
+)
 def test_mooncake_trace_ceiling_and_speed() -> None:
     t0 = time.perf_counter()
     sd = stack_distances(read_mooncake(MOONCAKE))
