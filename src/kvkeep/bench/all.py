@@ -52,7 +52,7 @@ class Size:
     agent_fit_scale: float | None = None  # a second agents run whose working set fits
 
 
-QUICK = Size(128, 0.1, (2048, 8192), 8192, 2048, 2, 8, 10, 0.1, 3, 4096, 170)
+QUICK = Size(128, 0.1, (2048, 8192), 8192, 2048, 2, 8, 15, 0.12, 3, 4096, 190)
 FULL = Size(256, 0.25, (4096, 16384), 16384, 4096, 3, 8, 20, 0.1, 4, 8192, 540, 0.02)
 BLOCK = 128  # vLLM-cpu's block size
 
@@ -64,7 +64,7 @@ def stage_scenarios(size: Size, counter: TokenCounter) -> list[Scenario]:
         doc_tokens=size.capacity_doc_tokens,
         rounds=size.capacity_rounds,
     )
-    agents = SessionSpec(turns=size.agent_turns, scale=size.agent_scale, max_output_tokens=8)
+    agents = SessionSpec(turns=size.agent_turns, scale=size.agent_scale, max_output_tokens=4)
     scenarios: list[Scenario] = [
         SessionScenario(SessionSpec(scale=size.session_scale), counter),
         TTFTScenario(size.ttft_sizes),
