@@ -81,3 +81,14 @@ def test_root_cause_skips_warnings_and_wrapper_errors(tmp_path: Path) -> None:
     log.write_text("usage: api_server.py [-h]\napi_server.py: error: argument --x: invalid int\n")
     assert root_cause(log) == "api_server.py: error: argument --x: invalid int"
     assert root_cause(tmp_path / "missing.log") is None
+
+
+def test_remote_scenarios_have_tables() -> None:
+    replicas = {"scenario": "agents_replicas", "modes": {"shared store": {
+        "turns_per_min": 79.9, "hit_rate": 0.72, "device_hit_rate": 0.5,
+        "remote_hit_rate": 0.22, "mean_ttft_s": 1.1}}}  # fmt: skip
+    assert "| shared store | 79.9 | 72.0% | 50.0% | 22.0% | 1.100 s |" in report.markdown(replicas)
+    remote = {"scenario": "restart_remote", "modes": {"kvkeep": {
+        "cold_ttft_s": 4.0, "ram_ttft_s": 0.1, "remote_ttft_s": 0.2, "remote_hit_rate": 1.0,
+        "kv_bytes_per_token": 2048}}}  # fmt: skip
+    assert "| kvkeep | 4.000 s | 0.100 s | 0.200 s | 100.0% | 2048 |" in report.markdown(remote)

@@ -203,7 +203,30 @@ def _f1(v: Any) -> str:
     return "-" if v is None else f"{float(v):.1f}"
 
 
+def replicas_table(doc: dict[str, Any]) -> str:
+    rows = [
+        [m, f"{r['turns_per_min']:.1f}", _pct(r.get("hit_rate")), _pct(r.get("device_hit_rate")),
+         _pct(r.get("remote_hit_rate")), _s(r.get("mean_ttft_s"))]
+        for m, r in doc["modes"].items()
+    ]  # fmt: skip
+    head = "### Agents over replicas, turns routed round-robin\n\n"
+    return head + _table(["store", "turns/min", "hit rate", "device", "remote", "mean TTFT"], rows)
+
+
+def remote_restart_table(doc: dict[str, Any]) -> str:
+    rows = [
+        [m, _s(r.get("cold_ttft_s")), _s(r.get("ram_ttft_s")), _s(r.get("remote_ttft_s")),
+         _pct(r.get("remote_hit_rate")), str(r.get("kv_bytes_per_token", "-"))]
+        for m, r in doc["modes"].items()
+    ]  # fmt: skip
+    head = "### A host lost and replaced: TTFT cold, from kvkeep RAM, from the remote tier\n\n"
+    header = ["mode", "cold", "RAM hit", "remote hit", "remote hit rate", "KV bytes/token"]
+    return head + _table(header, rows)
+
+
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
+    "agents_replicas": replicas_table,
+    "restart_remote": remote_restart_table,
     "restart": restart_table,
     "session": session_table,
     "ttft": ttft_table,
