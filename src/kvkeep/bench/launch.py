@@ -20,6 +20,7 @@ SIGKILL), so its EngineCore and worker processes never outlive it.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import re
@@ -30,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -209,6 +211,7 @@ class VLLMServer:
             self.proc = subprocess.Popen(
                 argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
+        _RUNNING.add(self)
         try:
             self._wait_ready(t0)
         except BaseException:
@@ -257,6 +260,7 @@ class VLLMServer:
                 self._cache = None
 
     def _stop_vllm(self, timeout_s: float) -> None:
+        _RUNNING.discard(self)
         if self.proc is None or self.proc.poll() is not None:
             return
         pgid = self.proc.pid  # start_new_session made it a group leader
@@ -274,6 +278,17 @@ class VLLMServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+# Servers started and not yet stopped: stopped at interpreter exit, so that a caller that
+# forgot (or a test that failed between start and stop) never leaves vLLM running.
+_RUNNING: weakref.WeakSet[VLLMServer] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for server in list(_RUNNING):
+        server.stop(timeout_s=5.0)
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
