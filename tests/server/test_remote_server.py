@@ -12,14 +12,14 @@ import redis
 
 from kvkeep.server.client import KVKeepClient
 from kvkeep.store.redis_process import RedisProcess
+from serverproc import Server
 
-from .conftest import ServerProcess
 from .helpers import BLOCK, NS, keys, payload, read_back, store
 
 RAM = ("--ram", "8MiB", "--extent", "1MiB")
 
 
-def start_pair(factory: Any, url: str, timeout: str = "1.0") -> tuple[ServerProcess, ServerProcess]:
+def start_pair(factory: Any, url: str, timeout: str = "1.0") -> tuple[Server, Server]:
     """Two servers on one store. The timeout is generous except where a test measures it: on
     a loaded 2-core machine a 0.2 s round trip happens, and would (correctly) be a miss."""
     servers = []

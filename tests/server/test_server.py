@@ -17,12 +17,12 @@ import pytest
 from kvkeep.keys import Namespace
 from kvkeep.server import protocol as p
 from kvkeep.server.client import CacheRefused, CacheUnavailable, KVKeepClient
+from serverproc import Server
 
-from .conftest import ServerProcess
 from .helpers import BLOCK, NS, keys, payload, read_back, store
 
 
-def test_round_trip_lookup_acquire(server: ServerProcess) -> None:
+def test_round_trip_lookup_acquire(server: Server) -> None:
     client = KVKeepClient(server.socket)
     session = client.hello(NS, BLOCK)
     ks = keys(10)
@@ -38,7 +38,7 @@ def test_round_trip_lookup_acquire(server: ServerProcess) -> None:
     client.close()
 
 
-def test_namespaces_never_alias(server: ServerProcess) -> None:
+def test_namespaces_never_alias(server: Server) -> None:
     client = KVKeepClient(server.socket)
     other_ns = Namespace("other-model", "float16", "LBNHC", "cuda", block_size=16)
     a, b = client.hello(NS, BLOCK), client.hello(other_ns, 2 * BLOCK)
@@ -53,17 +53,17 @@ def test_namespaces_never_alias(server: ServerProcess) -> None:
     assert read_back(client, b, [same_key]) == [bytes([7]) * 2 * BLOCK]
 
 
-def test_block_too_large_is_refused_at_hello(server: ServerProcess) -> None:
+def test_block_too_large_is_refused_at_hello(server: Server) -> None:
     with pytest.raises(CacheRefused, match="block_too_large"):
         KVKeepClient(server.socket).hello(NS, 2 << 20)
 
 
-def test_restart_serves_blocks_from_disk_verified(server: ServerProcess) -> None:
+def test_restart_serves_blocks_from_disk_verified(server: Server) -> None:
     client = KVKeepClient(server.socket, timeout_s=2)
     session = client.hello(NS, BLOCK)
     ks = keys(20)
     store(client, session, ks)
-    assert server.stop() == 0, "SIGTERM flushes and exits 0"
+    assert server.terminate() == 0, "SIGTERM flushes and exits 0"
     with pytest.raises(CacheUnavailable):
         client.lookup(session, ks)
     server.start()
@@ -75,12 +75,12 @@ def test_restart_serves_blocks_from_disk_verified(server: ServerProcess) -> None
     assert client.stats()["tiers"]["disk"]["checksum_failures"] == 0
 
 
-def test_corrupt_record_is_a_counted_miss(server: ServerProcess) -> None:
+def test_corrupt_record_is_a_counted_miss(server: Server) -> None:
     client = KVKeepClient(server.socket)
     session = client.hello(NS, BLOCK)
     ks = keys(4)
     store(client, session, ks)
-    server.stop()
+    server.terminate()
     segment = sorted((server.directory / "disk").glob("seg-*.log"))[0]
     data = bytearray(segment.read_bytes())
     data[88 + BLOCK + 88 + 1000] ^= 0xFF  # a payload byte of the second record
@@ -95,7 +95,7 @@ def test_corrupt_record_is_a_counted_miss(server: ServerProcess) -> None:
 
 
 @pytest.mark.slow
-def test_sigkill_during_write_burst_never_corrupts(server: ServerProcess) -> None:
+def test_sigkill_during_write_burst_never_corrupts(server: Server) -> None:
     stop = threading.Event()
     written: list[bytes] = []
 
@@ -130,7 +130,7 @@ def test_sigkill_during_write_burst_never_corrupts(server: ServerProcess) -> Non
     assert returned > 0
 
 
-def test_concurrent_clients(server: ServerProcess) -> None:
+def test_concurrent_clients(server: Server) -> None:
     errors: list[BaseException] = []
 
     def worker(n: int) -> None:
@@ -158,7 +158,7 @@ def test_concurrent_clients(server: ServerProcess) -> None:
     assert KVKeepClient(server.socket).stats()["connections"] <= 1
 
 
-def _raw(server: ServerProcess, data: bytes) -> tuple[dict[str, Any] | None, bool]:
+def _raw(server: Server, data: bytes) -> tuple[dict[str, Any] | None, bool]:
     """Send raw bytes; return the reply (if any) and whether the server closed after it."""
     sock = socket.socket(socket.AF_UNIX)
     sock.settimeout(5)
@@ -206,7 +206,7 @@ def _frame(body: Any) -> bytes:
     ],
 )
 def test_bad_requests_get_errors_and_server_stays_up(
-    server: ServerProcess, data: bytes, code: str, closes: bool
+    server: Server, data: bytes, code: str, closes: bool
 ) -> None:
     reply, closed = _raw(server, data)
     assert reply is not None and reply["ok"] is False and reply["error"]["code"] == code
