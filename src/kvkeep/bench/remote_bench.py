@@ -200,30 +200,31 @@ class RemoteRestartScenario:
 
     def _host_a(self, cfg: LaunchConfig, url: str, docs: list[list[int]]) -> dict[str, Any]:
         """Cold, then kvkeep-RAM hits; waits until every block reached the store."""
-        with (
-            replica_caches(self.remote, url, 1) as (cache,),
-            replicas([replace(cfg, cache_socket=cache.socket)]) as (server,),
-        ):
-            warm_up(server.url)
-            cold = query(Probe(server.url, cache.stats), docs, self.spec.block_size)
-            reset_device_cache(server.url)
-            ram = query(Probe(server.url, cache.stats), docs, self.spec.block_size)
-            sent = cache.wait_sent()
-            stats = cache.stats()["tiers"]["remote"]
-        return {"cold": cold, "ram": ram, "a_remote": {**stats, "all_sent": sent}}
+        cold, ram, stats = self._host(cfg, url, docs, wait_sent=True)
+        return {"cold": cold, "ram": ram, "a_remote": stats}
 
     def _host_b(self, cfg: LaunchConfig, url: str, docs: list[list[int]]) -> dict[str, Any]:
         """A fresh host on the same store: remote hits, then its own RAM hits."""
+        remote, ram_b, stats = self._host(cfg, url, docs, wait_sent=False)
+        return {"remote": remote, "ram_after_remote": ram_b, "b_remote": stats}
+
+    def _host(
+        self, cfg: LaunchConfig, url: str, docs: list[list[int]], wait_sent: bool
+    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        """One host (vLLM + its cache server) on the store: the documents once, then again
+        with vLLM's device cache emptied; then the remote tier's counters."""
         with (
             replica_caches(self.remote, url, 1) as (cache,),
             replicas([replace(cfg, cache_socket=cache.socket)]) as (server,),
         ):
             warm_up(server.url)
-            remote = query(Probe(server.url, cache.stats), docs, self.spec.block_size)
+            probe = Probe(server.url, cache.stats)
+            first = query(probe, docs, self.spec.block_size)
             reset_device_cache(server.url)
-            ram_b = query(Probe(server.url, cache.stats), docs, self.spec.block_size)
-            stats = cache.stats()["tiers"]["remote"]
-        return {"remote": remote, "ram_after_remote": ram_b, "b_remote": stats}
+            second = query(probe, docs, self.spec.block_size)
+            sent = {"all_sent": cache.wait_sent()} if wait_sent else {}
+            stats = {**cache.stats()["tiers"]["remote"], **sent}
+        return first, second, stats
 
     def _docs(self) -> list[list[int]]:
         seed = f"remote:{self.spec.seed}:{time.time_ns()}"
