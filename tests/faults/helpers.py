@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import time
 
 import numpy as np
 
@@ -42,6 +43,14 @@ def fetch(client: KVKeepClient, session: Session, block_keys: list[BlockKey]) ->
         return [client.slot_view(s).tobytes() for s in slots]
     finally:
         client.release(slots)
+
+
+def drain(client: KVKeepClient, timeout_s: float = 30) -> None:
+    """Wait until write-behind has finished every committed block, the one being written too."""
+    deadline = time.monotonic() + timeout_s
+    while client.stats()["pending_writes"]:
+        assert time.monotonic() < deadline, "write-behind did not drain"
+        time.sleep(0.02)
 
 
 def disk_stats(client: KVKeepClient) -> dict[str, int]:

@@ -10,7 +10,7 @@ import os
 from kvkeep.server.client import KVKeepClient
 
 from .conftest import MakeServer, Server
-from .helpers import BLOCK, NS, fetch, keys, payload, store
+from .helpers import BLOCK, NS, drain, fetch, keys, payload, store
 
 
 def _scribble(server: Server, offset: int) -> None:
@@ -28,6 +28,7 @@ def _report_scribbled(server: Server, ks: list) -> KVKeepClient:
     client = KVKeepClient(server.socket)
     session = client.hello(NS, BLOCK)
     slots = store(client, session, ks)
+    drain(client)  # the disk tier's copy is written from RAM: let it be the intact bytes
     _scribble(server, slots[1].offset)
     acquired = client.acquire(session, ks)
     bad = [s for s in acquired if not client.verify(s)]
@@ -78,6 +79,7 @@ def test_a_block_another_reader_pins_is_kept(server: Server) -> None:
     session, other_session = client.hello(NS, BLOCK), other.hello(NS, BLOCK)
     ks = keys(2)
     slots = store(client, session, ks)
+    drain(client)  # the disk tier's copy is written from RAM: let it be the intact bytes
     _scribble(server, slots[0].offset)
     held = other.acquire(other_session, ks[:1])
     acquired = client.acquire(session, ks[:1])

@@ -5,7 +5,6 @@ evicted to make room, and the server keeps serving RAM hits."""
 from __future__ import annotations
 
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 from kvkeep.server.client import KVKeepClient
 
 from .conftest import MakeServer, Server
-from .helpers import BLOCK, NS, disk_stats, fetch, keys, payload, store
+from .helpers import BLOCK, NS, disk_stats, drain, fetch, keys, payload, store
 
 FS_BYTES = 4 << 20
 
@@ -36,14 +35,6 @@ def small_fs(make_server: MakeServer, tmp_path: Path) -> Iterator[tuple[Server, 
         srv.kill()
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
-def drain(client: KVKeepClient) -> None:
-    """Wait until write-behind has handed every queued block to the disk tier."""
-    deadline = time.monotonic() + 10
-    while client.stats()["queue_depth"]:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
 
 
 def test_full_filesystem_evicts_oldest_and_keeps_serving(small_fs: tuple[Server, Path]) -> None:

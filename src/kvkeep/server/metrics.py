@@ -51,6 +51,11 @@ class StoreCollector:
             "write-through blocks dropped: queue full",
             stats["dropped_writes"],
         )
+        yield CounterMetricFamily(
+            "kvkeep_corrupt_writes",
+            "blocks not written through: their RAM bytes failed the checksum",
+            stats["corrupt_writes"],
+        )
         yield GaugeMetricFamily(
             "kvkeep_queue_depth", "blocks waiting for write-through", stats["queue_depth"]
         )

@@ -83,6 +83,7 @@ class TieredStore:
         self._queue: queue.Queue[_Write | None] = queue.Queue(config.queue_depth)
         self.dropped_writes = 0
         self.write_errors = 0
+        self.corrupt_writes = 0  # blocks whose RAM bytes no longer matched at write-through
         self._writer = threading.Thread(target=self._write_loop, name="kvkeep-writer", daemon=True)
         self._writer.start()
 
@@ -177,7 +178,9 @@ class TieredStore:
             "tiers": {t.name: t.stats().as_dict() for t in self.tiers},
             "dropped_writes": self.dropped_writes,
             "write_errors": self.write_errors,
+            "corrupt_writes": self.corrupt_writes,
             "queue_depth": self._queue.qsize(),
+            "pending_writes": self._queue.unfinished_tasks,
         }
 
     def _promote(self, tier: Tier, key: StoreKey, length: int) -> Pinned | None:
@@ -209,11 +212,22 @@ class TieredStore:
 
     def _spill_evicted(self, key: StoreKey, data: memoryview, crc: int) -> None:
         """RAM's eviction hook: hand the block to the on-evict tiers (they copy it)."""
+        if self._spill and not verify(data, crc):
+            self.corrupt_writes += 1
+            return
         for tier in self._spill:
             tier.put(key, data, crc)
 
     def _write_through(self, write: _Write) -> None:
+        if not self._through:
+            return
         data = self.ram.view(write.offset, write.length)
+        if not verify(data, write.crc):
+            # The RAM copy went bad after its commit (a scribble, a faulty writer). Persisting
+            # it would only turn one miss into a miss that outlives the server.
+            self.corrupt_writes += 1
+            log.warning("a block changed in RAM after its commit; not written to lower tiers")
+            return
         for tier in self._through:
             try:
                 tier.put(write.key, data, write.crc)
