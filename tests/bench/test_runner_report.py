@@ -92,3 +92,29 @@ def test_remote_scenarios_have_tables() -> None:
         "cold_ttft_s": 4.0, "ram_ttft_s": 0.1, "remote_ttft_s": 0.2, "remote_hit_rate": 1.0,
         "kv_bytes_per_token": 2048}}}  # fmt: skip
     assert "| kvkeep | 4.000 s | 0.100 s | 0.200 s | 100.0% | 2048 |" in report.markdown(remote)
+
+
+def _agents(ratio: float, tpm: dict[str, float]) -> dict:
+    modes = {
+        m: {"agents": 8, "turns_per_min": t, "mean_wait_s": 1.0, "late_turn_wait_s": 2.0,
+            "cached_fraction": 0.5, "working_set_over_pool": ratio}
+        for m, t in tpm.items()
+    }  # fmt: skip
+    return {"scenario": "agents", "modes": modes}
+
+
+def test_agents_runs_that_exceed_and_fit_the_pool_are_told_apart(tmp_path: Path) -> None:
+    doc = {
+        "scenarios": {
+            "agents": _agents(2.81, {"none": 60.0, "kvkeep": 350.0}),
+            "agents_fit": _agents(0.56, {"none": 500.0, "kvkeep": 1100.0}),
+            "restart": {"scenario": "restart", "modes": {"none": {}, "kvkeep": {
+                "after_engine_restart_hit_rate": 1.0, "restart_ready_s": 22.0}}},
+        }
+    }  # fmt: skip
+    paths = report.write_report(doc, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "### S5: 8 closed-loop agents, working set 2.81x the device pool (exceeds it)" in md
+    assert "### S5: 8 closed-loop agents, working set 0.56x the device pool (fits in it)" in md
+    assert "Not run for none" in md and "| none | - |" not in md
+    assert [p.name for p in paths if p.suffix == ".png"].count("turns_per_min.png") == 1

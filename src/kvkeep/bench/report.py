@@ -118,11 +118,22 @@ def agents_table(doc: dict[str, Any]) -> str:
         for m, r in doc["modes"].items()
     ]  # fmt: skip
     head = (
-        "### S5: concurrent closed-loop agents\n\n"
+        f"### S5: {_agents_title(doc)}\n\n"
         "Study: ~8 turns/min without a cache, ~60 with; late-turn wait 104 s -> 2.1 s.\n\n"
     )
     header = ["mode", "turns/min", "mean wait", "late-turn wait", "cached", "working set / pool"]
     return head + _table(header, rows)
+
+
+def _agents_title(doc: dict[str, Any]) -> str:
+    """ "8 closed-loop agents, working set 2.8x the device pool (exceeds it)"."""
+    any_mode: dict[str, Any] = next(iter(doc["modes"].values()), {})
+    n = any_mode.get("agents", "")
+    ratio = any_mode.get("working_set_over_pool")
+    if ratio is None:
+        return f"{n} concurrent closed-loop agents"
+    fits = "exceeds it" if ratio > 1 else "fits in it"
+    return f"{n} closed-loop agents, working set {ratio:.2f}x the device pool ({fits})"
 
 
 def hol_table(doc: dict[str, Any]) -> str:
@@ -141,13 +152,16 @@ def restart_table(doc: dict[str, Any]) -> str:
          _pct(r.get("after_engine_restart_hit_rate")), _s(r.get("after_engine_restart_ttft_s")),
          _pct(r.get("after_server_restart_hit_rate")), _s(r.get("after_server_sigkill_ttft_s")),
          _s(r.get("restart_ready_s"))]
-        for m, r in doc["modes"].items()
+        for m, r in doc["modes"].items() if r
     ]  # fmt: skip
+    skipped = [m for m, r in doc["modes"].items() if not r]
     head = (
         "### S4: after a restart\n\n"
         "Study: native caching is cold again; LMCache 99.9% hits at 141 ms, but restarts "
         "20-30 s slower.\n\n"
     )
+    if skipped:
+        head += f"Not run for {', '.join(skipped)}: without a cache nothing survives.\n\n"
     header = ["mode", "cold", "warm", "hits after vLLM restart", "TTFT", "hits after cache "
               "server restart (SIGTERM, SIGKILL)", "TTFT", "vLLM restart to ready"]  # fmt: skip
     return head + _table(header, rows)
@@ -342,9 +356,17 @@ def plot_capacity(doc: dict[str, Any], out: Path) -> list[Path]:
                      "S3: hit rate by tier, by mode", stacked=True)  # fmt: skip
 
 
-def plot_agents(doc: dict[str, Any], out: Path) -> list[Path]:
+def plot_agents(doc: dict[str, Any], out: Path, fit: dict[str, Any] | None = None) -> list[Path]:
+    """Turns/min by mode; with ``fit`` (the run whose working set fits), both runs side by side."""
     modes = list(doc["modes"])
-    series = {"turns/min": [doc["modes"][m]["turns_per_min"] for m in modes]}
+    series: dict[str, list[float]] = {}
+    for run in (doc, fit):
+        if run is None:
+            continue
+        first: dict[str, Any] = next(iter(run["modes"].values()), {})
+        ratio = first.get("working_set_over_pool")
+        label = "turns/min" if ratio is None else f"working set {ratio:.2f}x pool"
+        series[label] = [run["modes"].get(m, {}).get("turns_per_min", 0.0) for m in modes]
     return _bar_plot(out / "turns_per_min.png", modes, series, "turns per minute",
                      "S5: agents' turns per minute, by mode")  # fmt: skip
 
@@ -378,8 +400,11 @@ def write_report(doc: dict[str, Any], out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
     plots: list[Path] = []
-    for name, d in scenarios(doc).items():
-        if name in PLOTS:
+    docs = scenarios(doc)
+    for name, d in docs.items():
+        if name == "agents":
+            plots += plot_agents(d, out, docs.get("agents_fit"))
+        elif name in PLOTS:
             plots += PLOTS[name](d, out)
     body = "# kvkeep bench report\n\n" + markdown(doc)
     body += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plots) + "\n"
