@@ -30,6 +30,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -166,6 +167,7 @@ def cache_server(ram: str = "2GiB", socket_path: str | None = None) -> Iterator[
     if socket_path is not None:
         yield socket_path
         return
+    exit_on_sigterm()
     directory = Path(tempfile.mkdtemp(prefix="kvkeep-"))
     proc = CacheServerProcess(CacheServerConfig(directory, ram=ram))
     try:
@@ -198,6 +200,7 @@ class VLLMServer:
 
     def start(self) -> VLLMServer:
         """Start vLLM and block until `/v1/models` answers. Raises LaunchError on failure."""
+        exit_on_sigterm()
         if self.cfg.mode == "kvkeep" and self.cfg.cache_socket is None:
             self._cache = contextlib.ExitStack()
             socket_path = self._cache.enter_context(cache_server(self.cfg.cache_ram))
@@ -289,6 +292,28 @@ _RUNNING: weakref.WeakSet[VLLMServer] = weakref.WeakSet()
 def _stop_all() -> None:
     for server in list(_RUNNING):
         server.stop(timeout_s=5.0)
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM and SIGHUP raise SystemExit in this process.
+
+    By default they end the process on the spot: no ``finally`` and no atexit, so every vLLM
+    and cache server it started (each in its own session, out of reach of a signal to our
+    group) would be left running. Only from the main thread, and only where no handler was
+    installed; harmless to call again.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is signal.SIG_DFL:
+            signal.signal(sig, _exit_for_signal)
+
+
+def _exit_for_signal(signum: int, frame: object) -> None:
+    # A second signal while cleaning up must not cut the cleanup short; stop() is bounded.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    raise SystemExit(128 + signum)
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
