@@ -118,3 +118,54 @@ def test_agents_runs_that_exceed_and_fit_the_pool_are_told_apart(tmp_path: Path)
     assert "### S5: 8 closed-loop agents, working set 0.56x the device pool (fits in it)" in md
     assert "Not run for none" in md and "| none | - |" not in md
     assert [p.name for p in paths if p.suffix == ".png"].count("turns_per_min.png") == 1
+
+
+def test_sse_lines_split_only_at_line_ends() -> None:
+    """U+2028, U+2029 and U+0085 are legal unescaped in JSON strings: a line reader that
+    splits like str.splitlines cut such a chunk in two (seen on a full `bench all`)."""
+    import asyncio
+    import json
+
+    from kvkeep.bench.runner import sse_lines
+
+    events = [{"choices": [{"text": f"a\u2028b\u2029c\x85d{i}"}]} for i in range(3)]
+    wire = (
+        "".join(f"data: {json.dumps(e, ensure_ascii=False)}\n\n" for e in events).encode()
+        + b"data: [DONE]\r\n\r\n"
+    )
+
+    async def chunked(size: int):  # type: ignore[no-untyped-def]
+        for i in range(0, len(wire), size):
+            yield wire[i : i + size]
+
+    async def collect(size: int) -> list[str]:
+        return [line async for line in sse_lines(chunked(size))]
+
+    for size in (1, 3, 7, len(wire)):
+        lines = [x for x in asyncio.run(collect(size)) if x]
+        assert [json.loads(x[6:]) for x in lines[:-1]] == events, size
+        assert lines[-1] == "data: [DONE]"
+
+
+def test_a_failed_scenario_is_reported_and_the_rest_kept(tmp_path: Path) -> None:
+    ok = _agents(2.0, {"none": 60.0, "vllm": 70.0, "kvkeep": 350.0})
+    doc = {
+        "scenarios": {
+            "session": {"scenario": "session", "modes": {
+                "none": _session([1000, 2000], [0, 0]),
+                "vllm": {"error": "JSONDecodeError: Unterminated string"},
+                "kvkeep": _session([1000, 2000], [0, 896])}},
+            "agents": ok,
+            "ttft": {"scenario": "ttft", "modes": {
+                "vllm": {"sizes": {"4096": {"cold_s": 0.5, "warm_s": 0.05, "speedup": 10.0}}}}},
+            "hol": {"scenario": "hol", "modes": {m: {"error": "EndpointError: HTTP 500"}
+                                                 for m in ("none", "vllm", "kvkeep")}},
+        }
+    }  # fmt: skip
+    report.write_report(doc, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "- session, mode vllm: JSONDecodeError: Unterminated string" in md
+    assert md.count("EndpointError: HTTP 500") == 3 and "### S6" not in md
+    assert "| claim | study | none | vllm | kvkeep |" in md, "every mode keeps its column"
+    assert "| S5 turns/min, agents > pool | ~8 -> ~60 | 60.0 | 70.0 | 350.0 |" in md
+    assert report.errors(doc)[0] == ("session", "vllm", "JSONDecodeError: Unterminated string")

@@ -106,12 +106,24 @@ def run_mode(
             if hasattr(s, "probe_stats") and cache is not None:
                 s.probe_stats = cache.stats
         bar.set_postfix_str(f"{mode}: starting vLLM")
-        server = VLLMServer(cfg).start()
+        try:
+            server = VLLMServer(cfg).start()
+        except LaunchError as exc:
+            failed = _failure(mode, "starting vLLM", exc)
+            bar.update(len(scenarios) + 1)
+            return {name: failed for name in [*(s.name for s in scenarios), restart.name]}
         try:
             for s in scenarios:
                 bar.set_postfix_str(f"{mode}: {s.name}")
-                out[s.name] = s.run(server.url)
-                out[s.name]["server"] = {"ready_s": server.ready_s}
+                if server.proc is None or server.proc.poll() is not None:
+                    out[s.name] = _failure(mode, s.name, LaunchError("not run"), server)
+                    bar.update(1)
+                    continue
+                try:
+                    out[s.name] = s.run(server.url)
+                    out[s.name]["server"] = {"ready_s": server.ready_s}
+                except Exception as exc:  # one scenario's failure must not cost the others
+                    out[s.name] = _failure(mode, s.name, exc, server)
                 bar.update(1)
         except BaseException:
             server.stop()
@@ -121,9 +133,24 @@ def run_mode(
             out["restart"] = {}
         else:
             bar.set_postfix_str(f"{mode}: restart")
-            out["restart"] = restart.run_on(server, cache)
+            try:
+                out["restart"] = restart.run_on(server, cache)
+            except Exception as exc:
+                out["restart"] = _failure(mode, "restart", exc, server)
+                server.stop()
         bar.update(1)
     return out
+
+
+def _failure(
+    mode: str, scenario: str, exc: BaseException, server: VLLMServer | None = None
+) -> dict[str, Any]:
+    """A scenario's result when it raised: the error, said at once and kept in the report."""
+    error = f"{type(exc).__name__}: {exc}".strip()
+    if server is not None and server.proc is not None and server.proc.poll() is not None:
+        error += f" (vLLM had exited; its log: {server.log_path})"
+    tqdm.write(f"kvkeep bench all: {scenario} failed in mode {mode}: {error}", file=sys.stderr)
+    return {"error": error}
 
 
 def run_all(
@@ -196,4 +223,9 @@ def main(argv: list[str]) -> int:
     print(report.markdown(doc))
     paths = report.write_report(doc, args.out)
     print(f"report: {paths[0]} (and report.html, results.json, {len(paths) - 2} plots)")
+    failed = report.errors(doc)
+    if failed:
+        print(f"kvkeep bench all: {len(failed)} scenario run(s) failed; see the report's "
+              "first section and the logs in " + str(args.log_dir), file=sys.stderr)  # fmt: skip
+        return 1
     return 0

@@ -24,11 +24,39 @@ STUDY = {
 }
 
 
-def scenarios(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """{name: scenario document} for either document shape."""
+def _raw_scenarios(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
     if "scenarios" in doc:
         return dict(doc["scenarios"])
     return {str(doc["scenario"]): doc}
+
+
+def _failed(result: Any) -> bool:
+    return isinstance(result, dict) and "error" in result
+
+
+def scenarios(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """{name: scenario document} for either document shape, without the modes that failed
+    (see ``errors``); a scenario that failed in every mode is left out."""
+    out = {}
+    for name, d in _raw_scenarios(doc).items():
+        modes = d.get("modes")
+        if not isinstance(modes, dict):
+            out[name] = d
+            continue
+        kept = {m: r for m, r in modes.items() if not _failed(r)}
+        if kept or not modes:
+            out[name] = {**d, "modes": kept}
+    return out
+
+
+def errors(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(scenario, mode, error) for every scenario that failed in some mode."""
+    return [
+        (name, mode, str(r["error"]))
+        for name, d in _raw_scenarios(doc).items()
+        for mode, r in (d.get("modes") or {}).items()
+        if _failed(r)
+    ]
 
 
 def _table(header: list[str], rows: Iterable[list[str]]) -> str:
@@ -178,8 +206,9 @@ def _get(doc: dict[str, Any], scenario: str, mode: str, *path: str) -> Any:
 
 def claims_table(doc: dict[str, Any]) -> str:
     """One row per claim of the study: its figure, then each mode measured in this run."""
-    modes = list(next(iter(scenarios(doc).values()))["modes"])
-    big = max((int(s) for s in (_get(doc, "ttft", modes[0], "sizes") or {"0": 0})), default=0)
+    raw = _raw_scenarios(doc).values()
+    modes = list(dict.fromkeys(m for d in raw for m in d.get("modes") or {}))
+    big = max((int(s) for m in modes for s in _get(doc, "ttft", m, "sizes") or {}), default=0)
     rows_spec: list[tuple[str, str, Callable[[str], str]]] = [
         ("S1 last turn: tokens computed", "115k -> <=10k",
          lambda m: _int(_get(doc, "session", m, "last_turn_computed_tokens"))),
@@ -256,6 +285,10 @@ def markdown(doc: dict[str, Any]) -> str:
     parts = [TABLES[name](d) for name, d in scenarios(doc).items() if name in TABLES]
     if "scenarios" in doc and len(parts) > 2:
         parts.insert(0, claims_table(doc))
+    failed = errors(doc)
+    if failed:
+        lines = [f"- {name}, mode {mode}: {error}" for name, mode, error in failed]
+        parts.insert(0, "## Failed: these results are missing\n\n" + "\n".join(lines))
     return "\n\n".join(parts) + "\n"
 
 

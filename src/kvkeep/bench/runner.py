@@ -14,7 +14,7 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -75,6 +75,25 @@ async def discover_model(client: httpx.AsyncClient, url: str) -> str:
     return str(data[0]["id"])
 
 
+async def sse_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    """The lines of a server-sent-event stream, split only where SSE splits them.
+
+    httpx's ``aiter_lines`` splits like ``str.splitlines``: also at U+0085, U+2028 and U+2029,
+    which JSON leaves unescaped inside strings. A completion that generated one of them (a
+    model with random weights does, sooner or later) arrived as two halves of a JSON object.
+    """
+    pending = b""
+    async for data in chunks:
+        # CRLF, LF and CR end a line; a CRLF cut between two chunks yields one extra empty
+        # line, which SSE readers skip anyway.
+        pending += data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            yield line.decode("utf-8", errors="replace")
+    if pending:
+        yield pending.decode("utf-8", errors="replace")
+
+
 async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> StreamStats:
     """POST a streaming request; TTFT is the arrival of the first chunk carrying a choice."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
@@ -85,7 +104,7 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> 
         if r.status_code != 200:
             text = (await r.aread()).decode(errors="replace")[:500]
             raise EndpointError(f"{url} answered HTTP {r.status_code}: {text}")
-        async for line in r.aiter_lines():
+        async for line in sse_lines(r.aiter_bytes()):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
