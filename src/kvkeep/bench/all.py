@@ -26,6 +26,7 @@ from tqdm import tqdm
 from kvkeep.bench import report
 from kvkeep.bench.agents import AgentsScenario
 from kvkeep.bench.capacity import CapacityScenario, CapacitySpec
+from kvkeep.bench.environment import environment
 from kvkeep.bench.hol import HOLScenario
 from kvkeep.bench.launch import MODES, LaunchConfig, LaunchError, VLLMServer
 from kvkeep.bench.restart import Cache, RestartScenario, RestartSpec, cache_server, dev_env
@@ -220,6 +221,7 @@ def main(argv: list[str]) -> int:
         "reserved_cpus": args.reserved_cpus,
         "mode_descriptions": {m: MODES[m].description for m in args.modes},
     }
+    doc["environment"] = environment(args.model)
     print(report.markdown(doc))
     paths = report.write_report(doc, args.out)
     print(f"report: {paths[0]} (and report.html, results.json, {len(paths) - 2} plots)")

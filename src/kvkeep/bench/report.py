@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from kvkeep.bench.environment import markdown as env_markdown
+
 # The study's figures (30-turn coding-agent session on a GPU; see DESIGN.md, S1 and S2).
 STUDY = {
     "last_turn_prompt_tokens": "~115k",
@@ -285,6 +287,8 @@ def markdown(doc: dict[str, Any]) -> str:
     parts = [TABLES[name](d) for name, d in scenarios(doc).items() if name in TABLES]
     if "scenarios" in doc and len(parts) > 2:
         parts.insert(0, claims_table(doc))
+    if isinstance(doc.get("environment"), dict):
+        parts.append(env_markdown(doc["environment"]))
     failed = errors(doc)
     if failed:
         lines = [f"- {name}, mode {mode}: {error}" for name, mode, error in failed]
@@ -461,6 +465,9 @@ def html(markdown_text: str, plots: list[Path]) -> str:
         elif lines[0].startswith("#"):
             level = len(lines[0]) - len(lines[0].lstrip("#"))
             parts.append(f"<h{level}>{h.escape(lines[0].lstrip('# '))}</h{level}>")
+        elif all(line.startswith("- ") for line in lines):
+            items = "".join(f"<li>{h.escape(line[2:])}</li>" for line in lines)
+            parts.append(f"<ul>{items}</ul>")
         else:
             parts.append(f"<p>{h.escape(' '.join(lines))}</p>")
     for p in plots:

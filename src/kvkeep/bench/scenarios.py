@@ -25,6 +25,7 @@ import httpx
 from tqdm import tqdm
 
 from kvkeep.bench import report
+from kvkeep.bench.environment import environment
 from kvkeep.bench.launch import MODES, LaunchConfig, LaunchError, VLLMServer, cache_server
 from kvkeep.bench.runner import (
     TurnResult,
@@ -392,6 +393,7 @@ def launch_config(args: argparse.Namespace) -> LaunchConfig | None:
 
 def write_outputs(results: dict[str, Any], args: argparse.Namespace) -> None:
     """--json: the JSON alone; --out: JSON, report.md and plots. Prints the table either way."""
+    results.setdefault("environment", environment(getattr(args, "model", None)))
     print(report.markdown(results))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -844,6 +844,9 @@ def main(argv: list[str]) -> int:
     except ValueError as exc:
         print(f"kvkeep bench soak: {exc}", file=sys.stderr)
         return 2
+    from kvkeep.bench.environment import environment
+
+    doc["environment"] = environment(args.model)
     print(table(doc))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

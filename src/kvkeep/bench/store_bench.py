@@ -62,7 +62,10 @@ def main(argv: list[str]) -> int:
         results = run(args, scratch)
     print(_table(results))
     if args.json:
-        Path(args.json).write_text(json.dumps({"results": results, "targets": TARGETS}, indent=2))
+        from kvkeep.bench.environment import environment
+
+        doc = {"results": results, "targets": TARGETS, "environment": environment()}
+        Path(args.json).write_text(json.dumps(doc, indent=2))
     return 0
 
 

