@@ -147,9 +147,12 @@ def create_cluster(nodes: list[RedisProcess], timeout_s: float = 20.0) -> str:
     command = [cli, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"]
     subprocess.run(command, check=True, capture_output=True, timeout=timeout_s)
     deadline = time.monotonic() + timeout_s
-    info = [cli, "-p", str(nodes[0].port), "cluster", "info"]
-    while b"cluster_state:ok" not in subprocess.run(info, capture_output=True).stdout:
-        if time.monotonic() > deadline:
-            raise RuntimeError("the redis cluster did not reach cluster_state:ok")
-        time.sleep(0.1)
+    # Every node must see the cluster as up: each answers CLUSTERDOWN until it does, and the
+    # nodes converge one by one (the first being ok said nothing of the others).
+    for node in nodes:
+        info = [cli, "-p", str(node.port), "cluster", "info"]
+        while b"cluster_state:ok" not in subprocess.run(info, capture_output=True).stdout:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"redis cluster node {node.port} did not reach cluster_state:ok")
+            time.sleep(0.1)
     return "redis://" + ",".join(addresses)
