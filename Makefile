@@ -22,7 +22,9 @@ $(STAMP): pyproject.toml
 
 model: $(MODEL)/config.json
 
-$(MODEL)/config.json: $(STAMP)
+# config.json is written last: its presence means the weights and tokenizer are complete. The
+# model is rebuilt when its generator changes.
+$(MODEL)/config.json: $(STAMP) src/kvkeep/model.py
 	$(VENV)/bin/kvkeep model tiny $(MODEL)
 
 demo: setup model

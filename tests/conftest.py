@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvkeep.model import TinyModelSpec, write_tiny_model
+from kvkeep.model import WEIGHTS_FILE, TinyModelSpec, write_tiny_model
 from kvkeep.store.redis_process import RedisProcess
 
 
@@ -16,7 +16,7 @@ from kvkeep.store.redis_process import RedisProcess
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model `make test` generated (KVKEEP_TINY_MODEL), or a fresh one."""
     given = os.environ.get("KVKEEP_TINY_MODEL")
-    if given and (Path(given) / "config.json").is_file():
+    if given and (Path(given) / "config.json").is_file() and (Path(given) / WEIGHTS_FILE).is_file():
         return Path(given)
     return write_tiny_model(tmp_path_factory.mktemp("tiny-model"), TinyModelSpec())
 

@@ -1,11 +1,13 @@
 import json
+import struct
 from pathlib import Path
 
+import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
 from kvkeep.cli import main
-from kvkeep.model import TinyModelSpec, write_tiny_model
+from kvkeep.model import WEIGHTS_FILE, TinyModelSpec, weight_shapes, write_tiny_model
 
 
 def test_same_arguments_give_identical_files(tmp_path: Path) -> None:
@@ -44,3 +46,37 @@ def test_bad_shapes_are_refused_with_the_argument_named(tmp_path: Path, capsys) 
     assert not (tmp_path / "config.json").exists()
     with pytest.raises(ValueError, match="--vocab"):
         TinyModelSpec(vocab=10).validate()
+
+
+def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """bf16 tensors as float32, read with the format's own rules (no torch)."""
+    raw = path.read_bytes()
+    (size,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + size])
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        assert meta["dtype"] == "BF16"
+        start, end = meta["data_offsets"]
+        bits = np.frombuffer(raw[8 + size + start : 8 + size + end], dtype="<u2")
+        out[name] = (bits.astype("<u4") << 16).view("<f4").reshape(meta["shape"])
+    return out
+
+
+def test_weights_are_seeded_and_not_dummy(tmp_path: Path) -> None:
+    """Every tensor vLLM's Llama loader expects is there, with the scales that make the
+    output depend on the context; another seed gives other weights and another config."""
+    spec = TinyModelSpec(layers=2, vocab=1024)
+    tensors = _read_safetensors(write_tiny_model(tmp_path / "a", spec) / WEIGHTS_FILE)
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == weight_shapes(spec)
+    embed = tensors["model.embed_tokens.weight"]
+    assert abs(float(embed.std()) - 1.0) < 0.02 and abs(float(embed.mean())) < 0.02
+    q = tensors["model.layers.1.self_attn.q_proj.weight"]
+    assert abs(float(q.std()) - 0.1) < 0.005
+    assert np.all(tensors["model.norm.weight"] == 1.0)
+    assert not np.array_equal(q, tensors["model.layers.0.self_attn.q_proj.weight"])
+    other = write_tiny_model(tmp_path / "b", TinyModelSpec(layers=2, vocab=1024, seed=1))
+    q_other = _read_safetensors(other / WEIGHTS_FILE)["model.layers.1.self_attn.q_proj.weight"]
+    assert not np.array_equal(q, q_other)
+    assert (tmp_path / "a" / "config.json").read_text() != (other / "config.json").read_text()

@@ -63,7 +63,15 @@ class Namespace:
 
     def root_key(self) -> BlockKey:
         """The parent key of a prompt's first block in this namespace."""
-        return BlockKey(hashlib.sha256(_ROOT_TAG + self.digest()).digest())
+        return root_key_of(self.digest())
+
+
+def root_key_of(digest: bytes) -> BlockKey:
+    """The root key of the namespace with this digest (e.g. one read from a cache server's
+    ``namespaces.json``), for tools that inspect a cache without the engine's config."""
+    if len(digest) != KEY_BYTES:
+        raise ValueError(f"a namespace digest is {KEY_BYTES} bytes, got {len(digest)}")
+    return BlockKey(hashlib.sha256(_ROOT_TAG + digest).digest())
 
 
 def pack_tokens(token_ids: Sequence[int]) -> bytes:

@@ -1,12 +1,19 @@
-"""`kvkeep model tiny DIR`: a tiny Llama-style model that vLLM serves with `--load-format dummy`.
+"""`kvkeep model tiny DIR`: a tiny Llama-style model whose replies depend on their context.
 
 No weights are ever downloaded. The model is a `config.json`, a byte-level BPE tokenizer trained
-offline on the Python standard library's own sources, and a `tokenizer_config.json` with a chat
-template that understands tools. Cache behaviour and timing depend on the shapes, not on the
-weight values, so this is enough for tests, benchmarks and the demo.
+offline on the Python standard library's own sources, a `tokenizer_config.json` with a chat
+template that understands tools, and seeded random weights in `model.safetensors` that vLLM
+loads through its real weight loader.
+
+The weights are what make the model a test instrument. vLLM's `--load-format dummy` fills
+every weight with tiny values, so the output distribution is uniform and a reply does not depend
+on its context: no test could see a wrong KV block. Here embeddings are N(0, 1), projections
+N(0, `PROJECTION_STD`) and norms 1, so attention carries real signal and a different prefix (or
+a wrong KV block) changes the greedy reply. `tests/e2e/test_guard.py` checks that it does.
 
 The same arguments give byte-identical files: the training corpus is a sorted, size-capped list
-of standard-library files, and training runs single-threaded.
+of standard-library files, training runs single-threaded, and every tensor is drawn from its own
+seeded generator (PCG64 keyed by the seed and the tensor's name) and rounded to bf16 in numpy.
 """
 
 from __future__ import annotations
@@ -14,13 +21,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import struct
 import sys
 import sysconfig
+import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
+
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>")
 CORPUS_BYTES = 3_000_000  # enough for a 8k vocabulary in about a second
+EMBEDDING_STD = 1.0
+PROJECTION_STD = 0.1  # with RMS-normed inputs, attention scores of std ~2.5: peaked, not one-hot
+WEIGHTS_FILE = "model.safetensors"
 
 # A ChatML-style template. Tools are listed in the system turn; assistant tool calls and tool
 # results are rendered as tagged JSON, so an agent's messages render deterministically and a
@@ -56,6 +70,7 @@ class TinyModelSpec:
     vocab: int = 8192
     intermediate: int = 512
     max_positions: int = 131072
+    seed: int = 0
 
     def validate(self) -> None:
         """Raise ValueError naming the argument to change when the shapes cannot form a model."""
@@ -68,6 +83,8 @@ class TinyModelSpec:
             )
         if self.vocab < 512:
             raise ValueError(f"--vocab {self.vocab} is too small; use at least 512")
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"--seed must lie in [0, 2**32), got {self.seed}")
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -95,7 +112,76 @@ def llama_config(spec: TinyModelSpec) -> dict[str, object]:
         "bos_token_id": 0,
         "eos_token_id": 1,
         "pad_token_id": 2,
+        # Not read by transformers or vLLM; it makes the config (and so kvkeep's namespace)
+        # differ between models whose weights differ.
+        "kvkeep_weights": {"seed": spec.seed, "init": _INIT_NAME},
     }
+
+
+_INIT_NAME = f"normal(embed={EMBEDDING_STD},proj={PROJECTION_STD},norm=1)/pcg64/bf16"
+
+
+def weight_shapes(spec: TinyModelSpec) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the Llama checkpoint, by the names vLLM's Llama loader expects."""
+    q, kv = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (spec.vocab, spec.hidden),
+        "model.norm.weight": (spec.hidden,),
+        "lm_head.weight": (spec.vocab, spec.hidden),
+    }
+    for i in range(spec.layers):
+        pre = f"model.layers.{i}."
+        shapes |= {
+            pre + "input_layernorm.weight": (spec.hidden,),
+            pre + "post_attention_layernorm.weight": (spec.hidden,),
+            pre + "self_attn.q_proj.weight": (q, spec.hidden),
+            pre + "self_attn.k_proj.weight": (kv, spec.hidden),
+            pre + "self_attn.v_proj.weight": (kv, spec.hidden),
+            pre + "self_attn.o_proj.weight": (spec.hidden, q),
+            pre + "mlp.gate_proj.weight": (spec.intermediate, spec.hidden),
+            pre + "mlp.up_proj.weight": (spec.intermediate, spec.hidden),
+            pre + "mlp.down_proj.weight": (spec.hidden, spec.intermediate),
+        }
+    return shapes
+
+
+def _tensor(name: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
+    """One tensor's values as bf16 bit patterns (uint16). Norms are 1; embeddings and
+    projections are normal, each from a generator keyed by (seed, crc32(name))."""
+    if name.endswith("norm.weight"):
+        values = np.ones(shape, dtype=np.float32)
+    else:
+        std = EMBEDDING_STD if "embed_tokens" in name else PROJECTION_STD
+        rng = np.random.Generator(np.random.PCG64([seed, zlib.crc32(name.encode())]))
+        values = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+    return _to_bf16(values)
+
+
+def _to_bf16(values: np.ndarray) -> np.ndarray:
+    """float32 to bf16 bit patterns, rounding to nearest even (finite inputs)."""
+    bits = values.astype("<f4").view("<u4")
+    rounded = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+    return (rounded >> np.uint32(16)).astype("<u2")
+
+
+def write_weights(path: Path, spec: TinyModelSpec) -> None:
+    """Write the seeded weights as one safetensors file (bf16, names sorted, deterministic)."""
+    shapes = weight_shapes(spec)
+    header: dict[str, object] = {"__metadata__": {"format": "pt", "generator": _INIT_NAME}}
+    offset = 0
+    for name in sorted(shapes):
+        size = 2 * int(np.prod(shapes[name]))
+        header[name] = {"dtype": "BF16", "shape": list(shapes[name]),
+                        "data_offsets": [offset, offset + size]}  # fmt: skip
+        offset += size
+    head = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head)
+        for name in sorted(shapes):
+            f.write(_tensor(name, shapes[name], spec.seed).tobytes())
+    tmp.replace(path)
 
 
 def corpus_files(limit_bytes: int = CORPUS_BYTES) -> list[Path]:
@@ -146,14 +232,15 @@ def tokenizer_config(spec: TinyModelSpec) -> dict[str, object]:
 
 
 def write_tiny_model(out_dir: Path, spec: TinyModelSpec) -> Path:
-    """Write config.json, tokenizer.json, tokenizer_config.json and generation_config.json.
+    """Write config.json, the tokenizer files, generation_config.json and model.safetensors.
 
-    Idempotent: the same spec gives the same bytes. Returns `out_dir`.
+    Idempotent: the same spec gives the same bytes. Returns `out_dir`. The weights are written
+    first and config.json last, so a directory with a config.json is complete.
     """
     spec.validate()
     out_dir.mkdir(parents=True, exist_ok=True)
+    write_weights(out_dir / WEIGHTS_FILE, spec)
     files = {
-        "config.json": _dumps(llama_config(spec)),
         "tokenizer.json": train_tokenizer(spec.vocab),
         "tokenizer_config.json": _dumps(tokenizer_config(spec)),
         "special_tokens_map.json": _dumps(
@@ -161,6 +248,7 @@ def write_tiny_model(out_dir: Path, spec: TinyModelSpec) -> Path:
         ),
         "generation_config.json": _dumps({"bos_token_id": 0, "eos_token_id": 1}),
         "kvkeep-model.json": _dumps({"generator": "kvkeep model tiny", **asdict(spec)}),
+        "config.json": _dumps(llama_config(spec)),
     }
     for name, text in files.items():
         tmp = out_dir / f".{name}.tmp"
@@ -176,12 +264,13 @@ def _dumps(obj: object) -> str:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvkeep model", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="kind", required=True)
-    t = sub.add_parser("tiny", help="write a tiny Llama-style model (config + tokenizer)")
+    t = sub.add_parser("tiny", help="write a tiny Llama-style model (config, tokenizer, weights)")
     t.add_argument("dir", type=Path, help="output directory")
     d = TinyModelSpec()
     for field in ("layers", "hidden", "heads", "kv_heads", "head_dim", "vocab", "intermediate"):
         t.add_argument(f"--{field.replace('_', '-')}", type=int, default=getattr(d, field))
     t.add_argument("--max-positions", type=int, default=d.max_positions)
+    t.add_argument("--seed", type=int, default=d.seed, help="seed of the weights")
     return p
 
 
@@ -196,6 +285,7 @@ def main(argv: list[str]) -> int:
         vocab=args.vocab,
         intermediate=args.intermediate,
         max_positions=args.max_positions,
+        seed=args.seed,
     )
     try:
         write_tiny_model(args.dir, spec)

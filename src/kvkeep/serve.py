@@ -31,20 +31,26 @@ CONNECTOR_MODULE = "kvkeep.vllm.connector"
 DEFAULT_DIR = Path.home() / ".cache" / "kvkeep"
 
 
-def kv_transfer_config(socket_path: str, timeout_s: float = 1.0) -> dict[str, object]:
-    """vLLM's ``--kv-transfer-config`` for the kvkeep connector. Pure."""
+def kv_transfer_config(
+    socket_path: str, timeout_s: float = 1.0, audit: bool = False
+) -> dict[str, object]:
+    """vLLM's ``--kv-transfer-config`` for the kvkeep connector. Pure. ``audit`` turns on
+    the connector's debug comparison of recomputed blocks with their stored copies."""
+    extra: dict[str, object] = {"socket": socket_path, "timeout_s": timeout_s}
+    if audit:
+        extra["audit"] = True
     return {
         "kv_connector": CONNECTOR_CLASS,
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"socket": socket_path, "timeout_s": timeout_s},
+        "kv_connector_extra_config": extra,
     }
 
 
-def kv_transfer_args(socket_path: str, timeout_s: float = 1.0) -> list[str]:
+def kv_transfer_args(socket_path: str, timeout_s: float = 1.0, audit: bool = False) -> list[str]:
     """The vLLM arguments that load the kvkeep connector. Pure."""
-    text = json.dumps(kv_transfer_config(socket_path, timeout_s), separators=(",", ":"))
+    text = json.dumps(kv_transfer_config(socket_path, timeout_s, audit), separators=(",", ":"))
     return ["--kv-transfer-config", text]
 
 

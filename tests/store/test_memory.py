@@ -44,6 +44,16 @@ def test_lru_eviction_order_is_exact(make_arena: Any) -> None:
         assert arena.stats().counters["evictions"] == new - 3
 
 
+def test_touch_refreshes_recency_without_counting_a_hit(make_arena: Any) -> None:
+    arena = make_arena(EXTENT, EXTENT)  # 4 slots of 16 KiB
+    for i in range(4):
+        assert put(arena, i)
+    assert arena.touch(key(0)) and not arena.touch(key(9))
+    assert arena.stats().counters["hits"] == 0
+    assert put(arena, 4)
+    assert arena.contains(key(0)) and not arena.contains(key(1)), "a touched block went first"
+
+
 def test_pinned_slots_are_never_evicted(make_arena: Any) -> None:
     arena = make_arena(EXTENT, EXTENT)
     for i in range(4):

@@ -156,6 +156,60 @@ def test_preemption_restarts_tracking_and_resume_replaces_the_table() -> None:
     ]
 
 
+def test_a_failed_load_rewinds_the_frontier_so_the_recompute_is_saved() -> None:
+    """The poisoning scenario's bookkeeping: P's 3 blocks are claimed and fail to load, the
+    same step computes Q's 2 blocks on top of them (the worker drops those saves), vLLM
+    truncates the request at the failed block and recomputes: every block is planned again,
+    from the first failed one, with the right keys."""
+    book = RequestBook(NS)
+    prompt = tokens(22)  # P = blocks 0-2 in kvkeep, Q = blocks 3-4, then 2 tokens
+    keys = chain_keys(NS, prompt, BS)
+    table = [10, 11, 12, 13, 14, 15]
+    book.remember_match("r", Match(0, 22, 3))
+    book.on_alloc("r", prompt, None, table, 12)
+    step1 = book.saves_after("r", 22, prompt, None)  # the load step computes Q
+    assert step1 == [BlockTransfer(13, keys[3]), BlockTransfer(14, keys[4])]
+    book.take_plan(step1)
+    assert book.on_load_errors() == 1  # the step's output reports failed block 11
+    book.rewind("r", 4)  # vLLM truncated the request at its first failed block (1)
+    step2 = book.saves_after("r", 22, prompt, None)
+    assert step2 == [BlockTransfer(table[i], keys[i]) for i in range(1, 5)]
+    book.take_plan(step2)
+    assert book.saves_after("r", 22, prompt, None) == []
+
+
+def test_a_failed_load_replans_other_requests_of_the_step() -> None:
+    """The worker drops every save of a step with a failed load, also those of requests
+    whose loads succeeded: they are planned again in the next step, and only once."""
+    book = RequestBook(NS)
+    seq = tokens(9)
+    keys = chain_keys(NS, seq, BS)
+    book.on_alloc("ok", seq, None, [1, 2, 3], 0)
+    saves = book.saves_after("ok", 9, seq, None)
+    assert saves == [BlockTransfer(1, keys[0]), BlockTransfer(2, keys[1])]
+    book.take_plan(saves)
+    book.on_load_errors()
+    book.rewind("ok", 0)  # vLLM's view before that step: nothing computed; not affected
+    assert book.saves_after("ok", 9, seq, None) == saves
+    book.take_plan(saves)
+    assert book.saves_after("ok", 9, seq, None) == []
+    assert book.on_load_errors() == 1
+    assert book.on_load_errors() == 0  # rewinds once per report
+
+
+def test_rewind_never_moves_the_frontier_forward() -> None:
+    book = RequestBook(NS)
+    seq = tokens(12)
+    book.on_alloc("r", seq, None, [1, 2, 3], 0)
+    book.take_plan(book.saves_after("r", 4, seq, None))
+    book.rewind("r", 12)
+    keys = chain_keys(NS, seq, BS)
+    assert book.saves_after("r", 12, seq, None) == [
+        BlockTransfer(2, keys[1]),
+        BlockTransfer(3, keys[2]),
+    ]
+
+
 def test_finish_forgets_and_unknown_requests_are_ignored() -> None:
     book = RequestBook(NS)
     book.on_alloc("r", tokens(8), None, [1, 2], 0)

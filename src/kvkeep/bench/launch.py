@@ -88,6 +88,7 @@ class LaunchConfig:
     # Mode kvkeep: the cache server's socket (None: start a private one with cache_ram).
     cache_socket: str | None = None
     cache_ram: str = "2GiB"
+    cache_audit: bool = False  # the connector compares recomputed blocks with stored ones
 
     def validate(self) -> None:
         """Raise ValueError naming the setting to change."""
@@ -116,7 +117,6 @@ def build_command(cfg: LaunchConfig, port: int) -> tuple[list[str], dict[str, st
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(cfg.model),
         "--served-model-name", SERVED_MODEL_NAME,
-        "--load-format", "dummy",
         "--enforce-eager",
         "--host", "127.0.0.1",
         "--port", str(port),
@@ -154,7 +154,7 @@ def build_command(cfg: LaunchConfig, port: int) -> tuple[list[str], dict[str, st
 def _kvkeep_hook(cfg: LaunchConfig) -> tuple[list[str], dict[str, str]]:
     if cfg.cache_socket is None:
         raise ValueError("mode kvkeep needs a cache server socket (LaunchConfig.cache_socket)")
-    return kv_transfer_args(cfg.cache_socket), {}
+    return kv_transfer_args(cfg.cache_socket, audit=cfg.cache_audit), {}
 
 
 MODE_HOOKS["kvkeep"] = _kvkeep_hook

@@ -124,7 +124,7 @@ class KVKeepClient:
     # --- operations --------------------------------------------------------------------------
 
     def lookup(self, session: Session, keys: Sequence[BlockKey]) -> LookupResult:
-        """How many leading ``keys`` are cached, and where. Read-only."""
+        """How many leading ``keys`` are cached, and where. Refreshes the RAM hits' recency."""
         with self._op():
             result = self._call_ns(session, p.Op.LOOKUP, {"keys": list(keys)})
             names = self._arena.tiers if self._arena else ()

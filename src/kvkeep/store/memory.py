@@ -218,6 +218,18 @@ class ArenaTier:
             self._counters.bytes_out += slot.length
             return Pinned(offset, slot.length, slot.checksum)
 
+    def touch(self, key: StoreKey) -> bool:
+        """Whether ``key`` is committed here; if so, mark it most recent (no hit counted).
+        A LOOKUP touches what it finds, so the blocks it promises are the last to be evicted
+        before the worker's ACQUIRE, and prefixes in use stay in RAM."""
+        with self._lock:
+            offset = self._index.get(key, -1)
+            slot = self._slots.get(offset)
+            if slot is None or not slot.committed:
+                return False
+            self._class_of(offset).lru.touch(offset)
+            return True
+
     def add_pin(self, offset: int) -> bool:
         """Pin a committed slot by offset (write-behind). False if it is not committed."""
         with self._lock:

@@ -88,7 +88,8 @@ class TieredStore:
         self._writer.start()
 
     def lookup(self, keys: Sequence[StoreKey]) -> Lookup:
-        """Longest contiguous present prefix across tiers. Read-only.
+        """Longest contiguous present prefix across tiers. RAM hits become most recent (the
+        engine is about to ACQUIRE them), nothing else changes.
 
         RAM and local tiers are asked key by key; a tier with ``contains_many`` (the remote)
         is asked once, in one batch, for the keys from the first one no faster tier holds.
@@ -96,7 +97,7 @@ class TieredStore:
         """
         # Hot path (1,000-key prompts within a millisecond): bound methods, no generators
         # while RAM hits.
-        ram_contains = self.ram.contains
+        ram_contains = self.ram.touch
         probes = [(level, _Probe(tier, keys).has) for level, tier in enumerate(self.lower, 1)]
         tiers: list[int] = []
         for index, key in enumerate(keys):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from kvkeep.keys import Namespace
@@ -101,9 +102,34 @@ def model_digest(vllm_config: Any) -> str:
         "quantization": mc.quantization,
         "load_format": load_format,
         "seed": mc.seed if load_format == "dummy" else None,
+        "weights": weights_fingerprint(str(mc.model)),
     }
     text = json.dumps(ident, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+FINGERPRINT_BYTES = 1 << 20
+
+
+def weights_fingerprint(model: str) -> str | None:
+    """For a model in a local directory, a digest of its weight files: names, sizes, and the
+    first and last MiB of each (which hold the safetensors header and data from both ends).
+    Two checkpoints in the same directory with the same config (a fine-tune saved over its
+    base) then never share blocks. Reads at most 2 MiB per file. None for a hub id, whose
+    revision already names its weights."""
+    root = Path(model)
+    if not root.is_dir():
+        return None
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.iterdir() if p.name.endswith(WEIGHT_SUFFIXES)):
+        size = path.stat().st_size
+        digest.update(f"{path.name}\0{size}\0".encode())
+        with path.open("rb") as f:
+            digest.update(f.read(FINGERPRINT_BYTES))
+            f.seek(max(size - FINGERPRINT_BYTES, 0))
+            digest.update(f.read(FINGERPRINT_BYTES))
+    return digest.hexdigest()
 
 
 def namespace(vllm_config: Any, kv_cache_config: Any) -> Namespace:
@@ -140,3 +166,136 @@ def request_tokens(request: Any) -> Sequence[int]:
 
 def request_salt(request: Any) -> str | None:
     return getattr(request, "cache_salt", None)
+
+
+# --- what kvkeep refuses ----------------------------------------------------------------------
+
+UNKEYABLE_REASONS = ("lora", "multimodal", "prompt_embeds")
+"""Why a request may be unkeyable; the connector counts each as ``unkeyable_<reason>``."""
+
+
+def unkeyable_reason(request: Any) -> str | None:
+    """Why kvkeep's keys cannot describe this request's KV, or None if they can.
+
+    vLLM's own block hashes mix the LoRA adapter, multimodal inputs and prompt embeddings into
+    a block's key besides its token ids (``generate_block_hash_extra_keys`` in
+    ``v1/core/kv_cache_utils.py``). kvkeep's keys chain over token ids only, so such a
+    request's blocks could collide with a plain request's (a prompt given as embeddings has
+    token ids of all zeros). kvkeep neither claims nor saves these requests. The cache salt,
+    vLLM's fourth extra key, is in kvkeep's keys: it seeds the chain (``request_salt``).
+    """
+    if getattr(request, "lora_request", None):
+        return "lora"
+    if getattr(request, "mm_features", None):
+        return "multimodal"
+    if getattr(request, "prompt_embeds", None) is not None:
+        return "prompt_embeds"
+    return None
+
+
+class UnsupportedConfig(ValueError):
+    """The engine is configured in a way kvkeep would cache wrongly; raised at start-up with
+    what is wrong and what to do."""
+
+
+_INSTEAD = "run without the kvkeep connector"
+
+
+def check_supported(vllm_config: Any, kv_cache_config: Any | None) -> None:
+    """Refuse, at start-up, an engine whose KV kvkeep cannot key or copy exactly.
+
+    kvkeep's namespace carries the TP rank but no pipeline stage, and its block arithmetic
+    assumes one scheduler block is one page of ``block_size`` tokens on every rank: pipeline
+    and context parallelism break both. It describes, keys and copies the layers of KV cache
+    group 0 with one page shape, so a second group or a spec that is not plain full attention
+    would be served with missing or wrong KV. Raises UnsupportedConfig naming the problem.
+    """
+    _check_parallel(vllm_config.parallel_config)
+    if kv_cache_config is None:
+        raise UnsupportedConfig(
+            "kvkeep needs vLLM's KV cache config to describe its blocks, and the connector was "
+            "given none (vLLM 0.32 always passes one); use vLLM 0.32 or " + _INSTEAD
+        )
+    groups = list(kv_cache_config.kv_cache_groups)
+    if not groups:
+        raise UnsupportedConfig(
+            "this model has no KV cache (attention-free), so kvkeep has nothing to keep; "
+            + _INSTEAD
+        )
+    if len(groups) > 1:
+        kinds = ", ".join(
+            f"{type(g.kv_cache_spec).__name__} ({len(g.layer_names)} layers)" for g in groups
+        )
+        raise UnsupportedConfig(
+            f"the KV cache has {len(groups)} groups [{kinds}]; kvkeep keys and copies the "
+            "layers of group 0 only, so a block it served would leave the other groups' KV "
+            f"missing. kvkeep supports models whose attention layers form one group; {_INSTEAD}"
+        )
+    problem = _spec_problem(groups[0].kv_cache_spec)
+    if problem is not None:
+        raise UnsupportedConfig(f"KV cache group 0: {problem}; {_INSTEAD}")
+
+
+def _check_parallel(parallel: Any) -> None:
+    pp = int(getattr(parallel, "pipeline_parallel_size", 1))
+    if pp > 1:
+        raise UnsupportedConfig(
+            f"kvkeep does not support pipeline_parallel_size={pp} yet: its keys carry no "
+            "pipeline stage, so the stages' blocks (different layers) would collide; run with "
+            f"--pipeline-parallel-size 1 or {_INSTEAD}"
+        )
+    for field, flag in (
+        ("decode_context_parallel_size", "--decode-context-parallel-size"),
+        ("prefill_context_parallel_size", "--prefill-context-parallel-size"),
+    ):
+        size = int(getattr(parallel, field, 1))
+        if size > 1:
+            raise UnsupportedConfig(
+                f"kvkeep does not support {field}={size} yet: vLLM then spreads each block's "
+                "tokens over ranks (a scheduler block is block_size x the context-parallel "
+                "size), and kvkeep's keys and copies assume one rank holds a whole block; "
+                f"run with {flag} 1 or {_INSTEAD}"
+            )
+
+
+def _spec_problem(spec: Any) -> str | None:
+    """Why kvkeep cannot describe a group's KV cache spec, or None: kvkeep accepts exactly
+    vLLM's plain ``FullAttentionSpec`` (also what sliding-window layers become when vLLM's
+    hybrid KV cache manager is off, which it is for kvkeep), with causal attention and one
+    state per token."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    name = type(spec).__name__
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return (
+            f"its layers have different KV specs ({name}, e.g. different head sizes or dtypes "
+            "per layer), and kvkeep copies every layer's page with one shape"
+        )
+    if isinstance(spec, MambaSpec):
+        return (
+            f"{name}: a Mamba or linear-attention state sums up the whole prefix instead of "
+            "holding one block's tokens, so it cannot be kept as token blocks"
+        )
+    if isinstance(spec, MLAAttentionSpec):
+        return f"{name}: kvkeep is not built or tested for MLA (latent) KV pages yet"
+    if type(spec) is not FullAttentionSpec:
+        return (
+            f"{name} is not plain full attention (FullAttentionSpec), the only KV cache spec "
+            "kvkeep describes"
+        )
+    if spec.non_causal:
+        return (
+            "its attention is non-causal (a prefix LM), so a block's KV depends on tokens "
+            "after it and prefix-chained keys would serve wrong KV"
+        )
+    if spec.tokens_per_state != 1:
+        return (
+            f"a stored state covers {spec.tokens_per_state} tokens, and kvkeep's pages hold "
+            "one state per token"
+        )
+    return None

@@ -19,6 +19,18 @@ fails to copy is reported through ``get_block_ids_with_load_errors`` and vLLM re
 skips blocks it already has) → copy → a background thread checksums and COMMITs, so the step
 waits only for the copy.
 
+A step with a failed load saves nothing. vLLM runs that step's forward anyway, on top of the
+blocks that did not load, so its new KV is wrong under correct keys; vLLM then recomputes.
+The scheduler side learns of the failure from the step's connector output and moves the save
+frontiers back (``RequestBook.on_load_errors`` and ``rewind``), so the recompute is saved.
+
+When vLLM computes a block it already holds again (the last block of a block-aligned prompt,
+or a partial block that decode completes), kvkeep keeps the first copy it was given: RESERVE
+skips keys the server holds. Both copies are valid KV for the same tokens; they can differ by
+the numeric drift of differently chunked attention. With ``"audit": true`` in the extra
+config, the worker compares such a second copy with the stored one and logs the largest
+difference (``audit_*`` counters): drift is small, a real fault is not.
+
 Nothing raised by kvkeep escapes into vLLM: a down, slow or restarted cache server turns
 into misses and recomputes. The client reconnects with backoff and bounds every RPC.
 """
@@ -34,6 +46,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -67,10 +80,25 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("vllm.kvkeep")
 SUMMARY_EVERY_S = 10.0
+AUDIT_DRIFT = 0.1  # largest element difference of two valid copies of a block (audit only)
+
+
+def block_difference(stored: np.ndarray, engine: np.ndarray, dtype: Any) -> float:
+    """The largest absolute difference between two copies of a block, as numbers of the KV
+    dtype (0.0 when the bytes are identical; inf when either holds a non-finite value)."""
+    import torch
+
+    if np.array_equal(stored, engine):
+        return 0.0
+    a = torch.frombuffer(bytearray(stored.tobytes()), dtype=dtype).float()
+    b = torch.frombuffer(bytearray(engine.tobytes()), dtype=dtype).float()
+    worst = (a - b).abs().max().item()
+    return float(worst) if np.isfinite(worst) else float("inf")
 
 
 class KVKeepMetadata(KVConnectorMetadata):
@@ -116,6 +144,10 @@ class KVKeepPromMetrics(KVConnectorPromMetrics):
         "lookups": "lookup",
         "lookup_failures": "lookup_failed",
         "save_failures": "save_failed",
+        "saves_dropped": "save_dropped_after_failed_load",  # blocks
+        "unkeyable_lora": "unkeyable_lora",
+        "unkeyable_multimodal": "unkeyable_multimodal",
+        "unkeyable_prompt_embeds": "unkeyable_prompt_embeds",
     }
 
     def __init__(self, vllm_config: Any, metric_types: Any, labelnames: Any, per_engine: Any):
@@ -155,6 +187,7 @@ class KVKeepConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        compat.check_supported(vllm_config, kv_cache_config)
         config = ConnectorConfig.from_extra(compat.extra_config(vllm_config))
         client = KVKeepClient(
             socket_path=config.socket,
@@ -166,7 +199,7 @@ class KVKeepConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = _SchedulerSide(vllm_config, kv_cache_config, client)
         else:
-            self._worker = _WorkerSide(vllm_config, kv_cache_config, client)
+            self._worker = _WorkerSide(vllm_config, kv_cache_config, client, config.audit)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -189,6 +222,10 @@ class KVKeepConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
         return KVKeepMetadata(self._scheduler.plan(scheduler_output))
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self._scheduler is not None and connector_output.invalid_block_ids:
+            self._scheduler.load_errors(connector_output.invalid_block_ids)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -218,8 +255,8 @@ class KVKeepConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         plan = self._plan()
-        if self._worker is not None and plan is not None and plan.saves:
-            self._worker.save(plan)
+        if self._worker is not None:
+            self._worker.end_step(plan)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
@@ -272,6 +309,7 @@ class _SchedulerSide:
         )
         self.counters = Counters()
         self._requests: dict[str, Any] = {}  # req_id -> vLLM Request, while tracked
+        self._unkeyable: set[str] = set()  # req_ids counted as unkeyable, until finished
         self._announce(client.socket_path)
 
     def _announce(self, socket_path: str | None) -> None:
@@ -294,6 +332,8 @@ class _SchedulerSide:
         """Tokens kvkeep can supply beyond ``num_computed_tokens``; 0 on any failure.
         Idempotent for repeated calls with the same inputs (the answer is memoised)."""
         try:
+            if compat.unkeyable_reason(request) is not None:
+                return 0  # no LOOKUP; after_alloc counts the reason once
             return self._match(request, num_computed_tokens)
         except Exception:
             log.exception("kvkeep: lookup failed; treating it as a miss")
@@ -325,6 +365,10 @@ class _SchedulerSide:
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         try:
+            reason = compat.unkeyable_reason(request)
+            if reason is not None:
+                self._skip_unkeyable(request.request_id, reason)
+                return
             load = self.book.on_alloc(
                 request.request_id,
                 compat.request_tokens(request),
@@ -357,6 +401,7 @@ class _SchedulerSide:
         for i, req_id in enumerate(cached.req_ids):
             ids = compat.new_block_ids_of(cached.new_block_ids[i])
             self.book.update_blocks(req_id, ids, req_id in cached.resumed_req_ids)
+            self.book.rewind(req_id, cached.num_computed_tokens[i])
             after = cached.num_computed_tokens[i] + out.num_scheduled_tokens.get(req_id, 0)
             saves += self._saves(req_id, after)
         return self.book.take_plan(saves)
@@ -372,9 +417,29 @@ class _SchedulerSide:
             compat.request_salt(request),
         )
 
+    def _skip_unkeyable(self, req_id: str, reason: str) -> None:
+        """Never track (so never save) a request kvkeep cannot key; count it once. A request
+        tracked before (a streaming update added media) is dropped from here on."""
+        if req_id in self._requests:
+            self.finished(req_id)
+        if req_id not in self._unkeyable:
+            self._unkeyable.add(req_id)
+            self.counters.add(f"unkeyable_{reason}", 1)
+
+    def load_errors(self, block_ids: set[int]) -> None:
+        """A step reported failed loads: its saves were dropped; plan them again."""
+        try:
+            rewound = self.book.on_load_errors()
+        except Exception:
+            log.exception("kvkeep: could not rewind the save frontiers")
+            return
+        log.info("kvkeep: %d blocks failed to load; %d requests will save again after "
+                 "vLLM recomputes", len(block_ids), rewound)  # fmt: skip
+
     def finished(self, req_id: str) -> None:
         self.book.finish(req_id)
         self._requests.pop(req_id, None)
+        self._unkeyable.discard(req_id)
 
 
 # --- worker side --------------------------------------------------------------------------
@@ -384,14 +449,18 @@ class _WorkerSide:
     """Copies between the engine's KV blocks and arena slots. Loads are synchronous and run
     before the forward; saves copy synchronously and commit in the background."""
 
-    def __init__(self, vllm_config: Any, kv_cache_config: Any, client: KVKeepClient) -> None:
+    def __init__(
+        self, vllm_config: Any, kv_cache_config: Any, client: KVKeepClient, audit: bool = False
+    ) -> None:
         self.vllm_config, self.kv_cache_config = vllm_config, kv_cache_config
         self.client = client
+        self.audit = audit
         self.tp_rank, _ = compat.tp_rank_size(vllm_config)
         self.layout: KVLayout | None = None
         self.counters = Counters()
         self.totals = Counters()
         self._load_errors: set[int] = set()
+        self._failed_this_step = False
         self._sessions: dict[bytes, Session] = {}
         self._commits: queue.Queue[tuple[Session, list[SlotRef]] | None] = queue.Queue(64)
         self._committer = threading.Thread(target=self._commit_loop, name="kvkeep-commit")
@@ -433,6 +502,7 @@ class _WorkerSide:
             done = self._load_request(plan, request)
             self._load_errors.update(b.block_id for b in request.blocks[done:])
             loaded, failed = loaded + done, failed + len(request.blocks) - done
+        self._failed_this_step = self._failed_this_step or failed > 0
         elapsed = time.perf_counter() - t0
         self._count("loaded_tokens", loaded * plan.namespace.block_size)
         self._count("load_failed_tokens", failed * plan.namespace.block_size)
@@ -478,6 +548,20 @@ class _WorkerSide:
 
     # saves ---------------------------------------------------------------------------------
 
+    def end_step(self, plan: StepPlan | None) -> None:
+        """After the forward: save the plan's new blocks, unless a load of this step failed.
+        Then the forward ran on top of blocks that hold no valid KV, so every block it
+        computed may be wrong (vLLM recomputes them; the scheduler side re-plans the saves)."""
+        failed, self._failed_this_step = self._failed_this_step, False
+        if plan is None or not plan.saves:
+            return
+        if failed:
+            self._count("saves_dropped", len(plan.saves))
+            log.info("kvkeep: a load failed in this step; not saving its %d new blocks",
+                     len(plan.saves))  # fmt: skip
+            return
+        self.save(plan)
+
     def save(self, plan: StepPlan) -> None:
         """Copy newly full blocks into reserved slots; commits happen in the background.
         Blocks the server already holds are not written. Never raises."""
@@ -509,6 +593,36 @@ class _WorkerSide:
         self._count("saved_tokens", len(slots) * block_size)
         if slots:
             self._enqueue_commit(session, slots)
+        if self.audit:
+            reserved = {slot.key for slot in slots}
+            self._audit(session, {k: b for k, b in by_key.items() if k not in reserved})
+
+    # debugging -----------------------------------------------------------------------------
+
+    def _audit(self, session: Session, computed_again: dict[BlockKey, int]) -> None:
+        """Compare blocks vLLM computed although kvkeep holds them with the stored copy.
+
+        A difference of numeric drift (chunked attention adds in another order) is the
+        expected case and logged at INFO; anything else is a fault and logged as a warning.
+        The stored copy is what later hits get: kvkeep keeps the first copy it was given.
+        """
+        assert self.layout is not None
+        keys = list(computed_again)
+        slots = self.client.acquire(session, keys) if keys else []
+        try:
+            engine = np.empty(self.layout.block_bytes, dtype=np.uint8)
+            for slot in slots:
+                self.layout.gather(computed_again[slot.key], engine)
+                worst = block_difference(self.client.slot_view(slot), engine, self.layout.dtype)
+                self._count("audit_blocks", 1)
+                if worst:
+                    self._count("audit_mismatches", 1)
+                level = logging.WARNING if worst > AUDIT_DRIFT else logging.INFO
+                log.log(level, "kvkeep audit: block %s (engine block %d): stored copy differs "
+                        "from vLLM's by at most %.4g", slot.key.hex()[:12],
+                        computed_again[slot.key], worst)  # fmt: skip
+        finally:
+            self._release(slots)
 
     def _enqueue_commit(self, session: Session, slots: list[SlotRef]) -> None:
         try:

@@ -13,11 +13,23 @@ prefix-cache hit::
     limit = (num_tokens - 1) // bs     -> at least one token is always left to compute,
                                           because a synchronous load that covers the whole
                                           prompt trips vLLM's ``num_new_tokens > 0`` assert.
+
+No wrong KV is ever saved. A failed synchronous load does not stop the step's forward: vLLM
+computes the request's new tokens on top of whatever the failed blocks hold, then rolls the
+request back and recomputes. So a step with any failed load saves nothing (the worker drops
+the whole step's saves), and the save frontier of every request is moved back:
+
+- to the first block planned in that step, for every request with saves in it
+  (``on_load_errors``, from the step's connector output), so unaffected blocks are planned
+  again in the next step;
+- to what vLLM still counts as computed (``rewind``, every step), so the failed blocks and
+  everything after them are saved once vLLM has recomputed them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -38,6 +50,7 @@ class ConnectorConfig:
     socket: str
     timeout_s: float = 1.0
     max_backoff_s: float = 5.0
+    audit: bool = False  # debug: compare blocks vLLM computes again with their stored copy
 
     def __post_init__(self) -> None:
         if not self.socket:
@@ -58,8 +71,11 @@ class ConnectorConfig:
             )
         if "socket" not in extra:
             raise ValueError("kv_connector_extra_config needs 'socket' (the cache server's)")
-        numbers = {k: float(v) for k, v in extra.items() if k != "socket"}
-        return cls(socket=str(extra["socket"]), **numbers)
+        audit = extra.get("audit", False)
+        if not isinstance(audit, bool):
+            raise ValueError(f"kv_connector_extra_config.audit must be true or false: {audit!r}")
+        numbers = {k: float(v) for k, v in extra.items() if k not in ("socket", "audit")}
+        return cls(socket=str(extra["socket"]), audit=audit, **numbers)
 
 
 # --- what travels to the workers ------------------------------------------------------------
@@ -139,7 +155,8 @@ class _Tracked:
     """A running request: its keys so far, engine block table, and the save frontier.
 
     Invariant: blocks ``[0, saved)`` need no save (vLLM had them, kvkeep loaded them, or
-    they were planned for saving already).
+    they were planned for saving already). ``saved`` only moves back when a load failed
+    (see the module docstring).
     """
 
     root: BlockKey
@@ -160,6 +177,12 @@ class RequestBook:
         self._matches: dict[str, Match] = {}
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[RequestLoad] = []
+        # For each of the last two plans (the failed step's, and under async scheduling the
+        # one built before its outcome was known): req_id -> the first block it planned to
+        # save. vLLM reports outputs only when they hold something, so plans are not paired
+        # with outcomes; rewinding one plan too many only re-plans blocks the server skips.
+        self._recent: deque[dict[str, int]] = deque(maxlen=2)
+        self._planning: dict[str, int] = {}  # the same, for the plan being built
 
     # keys ---------------------------------------------------------------------------------
 
@@ -238,6 +261,29 @@ class RequestBook:
         else:
             tracked.block_ids.extend(block_ids)
 
+    def rewind(self, req_id: str, num_computed: int) -> None:
+        """vLLM counts ``num_computed`` tokens as computed before this step: blocks beyond
+        them were not (or no longer) computed, whatever was planned. After a failed load vLLM
+        truncates a request at its first failed block; this moves the frontier back with it,
+        so the recompute is saved."""
+        tracked = self._tracked.get(req_id)
+        if tracked is not None:
+            tracked.saved = min(tracked.saved, num_computed // self.block_size)
+
+    def on_load_errors(self) -> int:
+        """A step whose connector output reported failed loads saved nothing (the worker drops
+        such a step's saves): move each request's frontier back to the first block it planned
+        in the last two plans. Returns how many requests were rewound."""
+        rewound = 0
+        for plan in self._recent:
+            for req_id, first in plan.items():
+                tracked = self._tracked.get(req_id)
+                if tracked is not None and first < tracked.saved:
+                    tracked.saved = first
+                    rewound += 1
+        self._recent.clear()
+        return rewound
+
     def saves_after(
         self, req_id: str, num_computed_after: int, tokens: Sequence[int], salt: str | None
     ) -> list[BlockTransfer]:
@@ -253,12 +299,16 @@ class RequestBook:
             return []
         keys = self.keys_for(req_id, tokens[: full * self.block_size], salt)
         span = range(tracked.saved, full)
+        self._planning.setdefault(req_id, tracked.saved)
         tracked.saved = full
         return [BlockTransfer(tracked.block_ids[i], keys[i]) for i in span]
 
     def take_plan(self, saves: Sequence[BlockTransfer]) -> StepPlan:
-        """This step's plan; drains the queued loads (each load is shipped exactly once)."""
+        """This step's plan; drains the queued loads (each load is shipped exactly once).
+        Remembers which requests planned saves, for ``on_load_errors``."""
         loads, self._loads = tuple(self._loads), []
+        self._recent.append(self._planning)
+        self._planning = {}
         return StepPlan(self.namespace, loads, tuple(saves))
 
     def finish(self, req_id: str) -> None:
@@ -284,8 +334,14 @@ COUNTER_NAMES = (
     "load_failed_tokens",
     "saved_tokens",
     "save_failures",
+    "saves_dropped",
+    "audit_blocks",
+    "audit_mismatches",
     "load_s",
     "save_s",
+    "unkeyable_lora",
+    "unkeyable_multimodal",
+    "unkeyable_prompt_embeds",
 )
 
 

@@ -1,0 +1,111 @@
+"""When is a reply served with kvkeep's KV right? The one criterion every comparison uses.
+
+kvkeep stores the bytes vLLM computed and loads them back unchanged. So:
+
+1. **Same copy, same reply** (``same_as_hit``). A reply served from kvkeep (after a vLLM
+   restart or a device-cache reset) must equal vLLM's own prefix-cache hit on the same prompt,
+   computed from the same KV: the same tokens and the same logprobs (``EXACT_TOL`` only
+   absorbs JSON float formatting). This is what the end-to-end tests assert.
+2. **Cold, up to numeric drift** (``same_as_cold``). Against a cold run (no cache at all) the
+   reply may differ only by the drift that vLLM's own prefix cache shows against cold:
+   attention over a cached prefix adds the same numbers in another order, and bf16 logits
+   tie often (they carry 8 bits of mantissa: about 0.03 at a logit of 4). So logprobs must
+   agree within ``DRIFT_TOL`` wherever the tokens agree, and a token may differ only where
+   the reference's best two tokens were within ``DRIFT_TOL`` of each other (a tie that drift
+   can break either way); from there on the histories differ and nothing more is compared.
+   Tests measure vLLM's own drift beside it and check that it stays within ``DRIFT_TOL``.
+
+A wrong KV block is not drift: it changes logprobs by far more (0.5 to several nats on the
+tiny model) at positions that are no tie. ``tests/e2e/test_guard.py`` checks that the tiny
+model is sensitive enough for either rule to see one.
+
+Which copy does kvkeep keep? vLLM sometimes computes a block it already holds again: the last
+block of a block-aligned prompt (vLLM must compute at least one token), or a partial block that
+decode completes. kvkeep keeps the first copy (RESERVE skips stored keys); vLLM's later device
+hits use the newer one. Both are valid KV for the same tokens, so by rule 2 either is right,
+but rule 1 holds only against a hit on the copy kvkeep kept. Tests that compare with rule 1
+are built so that no block is computed twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+EXACT_TOL = 1e-4
+DRIFT_TOL = 0.1
+
+
+class Reply(NamedTuple):
+    """A greedy reply: its tokens, their logprobs, and (optionally) each position's top
+    alternatives as ``{token_id: logprob}`` (ask the server for ``top_logprobs`` >= 2)."""
+
+    token_ids: Sequence[int]
+    logprobs: Sequence[float]
+    top: Sequence[Mapping[int, float]] = ()
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """``ok``, why not, how many tokens were compared and the largest logprob gap among them."""
+
+    ok: bool
+    why: str
+    compared: int
+    worst: float
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def same_as_hit(candidate: Reply, hit: Reply, tol: float = EXACT_TOL) -> Verdict:
+    """Rule 1: the same tokens and logprobs as vLLM's own prefix-cache hit on the same KV."""
+    n = len(hit.token_ids)
+    if list(candidate.token_ids) != list(hit.token_ids):
+        at = _first_difference(candidate.token_ids, hit.token_ids)
+        upto = Reply(candidate.token_ids[: at + 1], candidate.logprobs[: at + 1])
+        worst = max_gap(upto, hit)
+        why = f"token {at} differs from vLLM's own prefix-cache hit (logprobs by {worst:.3g})"
+        return Verdict(False, why, at, worst)
+    worst = max_gap(candidate, hit)
+    if worst > tol:
+        return Verdict(False, f"logprobs differ by {worst:.4g} (> {tol:g})", n, worst)
+    return Verdict(True, "", n, worst)
+
+
+def same_as_cold(candidate: Reply, cold: Reply, tol: float = DRIFT_TOL) -> Verdict:
+    """Rule 2: equal to a cold run up to numeric drift (see the module docstring). ``cold``
+    needs ``top`` to tell a tie from a wrong token; without it any token difference fails."""
+    worst = 0.0
+    for i, (a, b) in enumerate(zip(candidate.token_ids, cold.token_ids, strict=False)):
+        if a != b:
+            if _tie(cold, i, a, tol):
+                return Verdict(True, f"a tie at token {i} broke the other way", i, worst)
+            return Verdict(False, f"token {i} differs from the cold run (no tie)", i, worst)
+        gap = abs(candidate.logprobs[i] - cold.logprobs[i])
+        worst = max(worst, gap)
+        if gap > tol:
+            return Verdict(False, f"token {i}: logprob differs by {gap:.4g} (> {tol:g})", i, worst)
+    if len(candidate.token_ids) != len(cold.token_ids):
+        return Verdict(False, "the replies differ in length", len(cold.token_ids), worst)
+    return Verdict(True, "", len(cold.token_ids), worst)
+
+
+def max_gap(a: Reply, b: Reply) -> float:
+    """The largest logprob difference over positions where both replies have one."""
+    return max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=False)), default=0.0)
+
+
+def _tie(reference: Reply, i: int, other: int, tol: float) -> bool:
+    if i >= len(reference.top):
+        return False
+    top = reference.top[i]
+    best = reference.logprobs[i]
+    return other in top and best - top[other] <= tol
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )

@@ -1,0 +1,38 @@
+"""The correctness criterion: exact against vLLM's own hit, drift-tolerant against cold."""
+
+from __future__ import annotations
+
+from kvkeep.bench.criterion import DRIFT_TOL, Reply, same_as_cold, same_as_hit
+
+HIT = Reply([5, 6, 7], [-1.0, -2.0, -3.0], [{5: -1.0, 9: -1.5}, {6: -2.0, 8: -2.02}, {7: -3.0}])
+
+
+def test_the_same_reply_passes_both_rules() -> None:
+    assert same_as_hit(HIT, HIT) and same_as_cold(HIT, HIT)
+    assert same_as_hit(HIT, HIT).compared == 3
+
+
+def test_any_token_or_logprob_difference_fails_the_strict_rule() -> None:
+    other_token = Reply([5, 8, 7], [-1.0, -2.02, -3.0])
+    verdict = same_as_hit(other_token, HIT)
+    assert not verdict and "token 1" in verdict.why and verdict.worst > 0.01
+    drifted = Reply([5, 6, 7], [-1.0, -2.01, -3.0])
+    assert not same_as_hit(drifted, HIT)
+
+
+def test_cold_allows_drift_and_a_broken_tie_but_not_a_wrong_token() -> None:
+    drifted = Reply([5, 6, 7], [-1.0, -2.05, -3.0])
+    assert same_as_cold(drifted, HIT)
+    tie_broken = Reply([5, 8, 1], [-1.0, -2.0, -9.0])  # token 1 was within 0.02 of the best
+    verdict = same_as_cold(tie_broken, HIT)
+    assert verdict and "tie at token 1" in verdict.why
+    no_tie = Reply([9, 6, 7], [-1.0, -2.0, -3.0])  # 0.5 below the best: not drift
+    assert not same_as_cold(no_tie, HIT)
+    far = Reply([5, 6, 7], [-1.0, -2.0 - 2 * DRIFT_TOL, -3.0])
+    assert not same_as_cold(far, HIT)
+    assert not same_as_cold(Reply([5, 6], [-1.0, -2.0]), HIT)
+
+
+def test_without_alternatives_any_token_difference_fails() -> None:
+    cold = Reply([5, 6], [-1.0, -2.0])
+    assert not same_as_cold(Reply([5, 8], [-1.0, -2.0]), cold)

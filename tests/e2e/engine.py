@@ -1,0 +1,155 @@
+"""What the end-to-end tests do to a running vLLM and kvkeep cache, in one place.
+
+Replies are judged by ``kvkeep.bench.criterion``: a reply served from kvkeep must equal vLLM's
+own prefix-cache hit on the same KV (``Reference.hit``), and a cold run up to numeric drift
+(``Reference.cold``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from pathlib import Path
+from typing import NamedTuple
+
+import httpx
+
+from kvkeep.bench.criterion import Reply
+from kvkeep.keys import BlockKey, chain_keys, root_key_of
+from kvkeep.server.client import KVKeepClient, Session
+
+MODEL_NAME = "kvkeep-tiny"
+BLOCK = 128
+
+
+class Served(NamedTuple):
+    reply: Reply
+    cached_tokens: int
+
+
+class Reference(NamedTuple):
+    """The same prompt under a fresh ``cache_salt`` (which roots vLLM's and kvkeep's block
+    hashes where nothing is cached): computed cold, then again as vLLM's own device hit."""
+
+    cold: Reply
+    hit: Reply
+
+
+def complete(url: str, ids: list[int], salt: str | None = None, max_tokens: int = 8) -> Served:
+    """A greedy completion of token ids, with each position's two best alternatives."""
+    body: dict[str, object] = {
+        "model": MODEL_NAME,
+        "prompt": ids,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "logprobs": 2,
+        "return_tokens_as_token_ids": True,
+    }
+    if salt is not None:
+        body["cache_salt"] = salt
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+    assert r.status_code == 200, f"HTTP {r.status_code}: {r.text[:300]}"
+    doc = r.json()
+    lp = doc["choices"][0]["logprobs"]
+    top = [{_token_id(t): float(v) for t, v in alt.items()} for alt in lp["top_logprobs"]]
+    reply = Reply(
+        [_token_id(t) for t in lp["tokens"]], [float(x) for x in lp["token_logprobs"]], top
+    )
+    details = doc["usage"].get("prompt_tokens_details") or {}
+    return Served(reply, int(details.get("cached_tokens") or 0))
+
+
+def reference(url: str, ids: list[int], max_tokens: int = 8) -> Reference:
+    salt = f"ref-{uuid.uuid4().hex}"
+    cold = complete(url, ids, salt, max_tokens)
+    hit = complete(url, ids, salt, max_tokens)
+    assert hit.cached_tokens > 0 or len(ids) <= BLOCK, "the reference's second send missed"
+    return Reference(cold.reply, hit.reply)
+
+
+def reset_device_cache(url: str) -> None:
+    """Empty vLLM's device prefix cache, keep kvkeep's (needs VLLM_SERVER_DEV_MODE=1)."""
+    for _ in range(40):
+        r = httpx.post(f"{url}/reset_prefix_cache", params={"reset_external": "false"}, timeout=30)
+        if r.status_code == 200 and r.json().get("success", True):
+            return
+        time.sleep(0.25)
+    raise AssertionError("/reset_prefix_cache did not succeed")
+
+
+def _token_id(text: str) -> int:
+    return int(text.removeprefix("token_id:"))
+
+
+# --- the cache, from outside the engine ---------------------------------------------------
+
+
+class StoredNamespace(NamedTuple):
+    """The worker's namespace as the cache server recorded it: enough to find its blocks."""
+
+    digest: bytes
+    block_bytes: int
+
+    def keys(self, ids: list[int]) -> list[BlockKey]:
+        return chain_keys(root_key_of(self.digest), ids, BLOCK)
+
+    def session(self) -> Session:
+        return KVKeepClient.session(self.digest, self.block_bytes, "test")
+
+
+def worker_namespace(cache_dir: Path) -> StoredNamespace:
+    """The namespace vLLM announced to the cache server in ``cache_dir`` (its scheduler and
+    its TP-rank-0 worker share one; the registry names whichever said HELLO first)."""
+    known = json.loads((cache_dir / "namespaces.json").read_text())
+    engine = [e for e in known.values() if e["label"] in ("scheduler", "worker0")]
+    found = {(e["namespace"], int(e["block_bytes"])) for e in engine}
+    assert len(found) == 1, f"expected one engine namespace, found {known}"
+    digest, block_bytes = found.pop()
+    return StoredNamespace(bytes.fromhex(digest), block_bytes)
+
+
+def corrupt_stored(client: KVKeepClient, ns: StoredNamespace, ids: list[int]) -> int:
+    """Flip a byte of every stored block of ``ids`` in the arena, behind the server's back
+    (its checksums stay those of the bytes committed). Returns how many blocks."""
+    slots = client.acquire(ns.session(), ns.keys(ids))
+    try:
+        for slot in slots:
+            client.slot_view(slot)[slot.length // 2] ^= 0xFF
+    finally:
+        client.release(slots)
+    return len(slots)
+
+
+def plant_wrong_block(
+    client: KVKeepClient, ns: StoredNamespace, ids: list[int], index: int
+) -> None:
+    """Store block ``index`` of ``ids`` with another block's bytes and a valid checksum: a
+    wrong block that every integrity check passes. Nothing real produces one; it is how the
+    guard test proves that the model reads its KV."""
+    keys = ns.keys(ids)
+    session = ns.session()
+    donor = client.acquire(session, [keys[index - 1]])
+    assert donor, "the donor block is not stored"
+    try:
+        data = client.slot_view(donor[0]).copy()
+    finally:
+        client.release(donor)
+    assert drop(client, ns, [keys[index]]), "could not make room for the planted block"
+    slots = client.reserve(session, [keys[index]])
+    assert len(slots) == 1, "the block to replace is still stored"
+    client.slot_view(slots[0])[:] = data
+    assert client.commit(session, slots) == 1
+
+
+def drop(client: KVKeepClient, ns: StoredNamespace, keys: list[BlockKey]) -> bool:
+    """Remove stored blocks the way a failed load does: their bytes are bad, and RELEASE
+    reports them corrupt, so the server drops them. Returns whether none is left."""
+    slots = client.acquire(ns.session(), keys)
+    for slot in slots:
+        client.slot_view(slot)[0] ^= 0xFF
+    client.release(slots, corrupt=slots)
+    left = client.acquire(ns.session(), keys)
+    client.release(left)
+    return not left

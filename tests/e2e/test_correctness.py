@@ -1,0 +1,295 @@
+"""Wrong KV is never served or stored, and the tests can see it if it were.
+
+One cache server (an 8 MiB RAM tier: 32 blocks) behind a proxy that can act between the
+scheduler's LOOKUP and the worker's ACQUIRE, and one vLLM in mode kvkeep with its device
+cache resettable, shared by the module. Replies are judged by ``kvkeep.bench.criterion``.
+
+- The guard: the tiny model reads its context (different prefixes, different replies), and a
+  block with wrong bytes and a valid checksum changes the reply. Every output comparison in
+  the suite is only as good as this.
+- A failed load stores no wrong KV: the block that fails and the new tokens vLLM computes on
+  top of it in the same step (the "poisoning" scenario), eviction between LOOKUP and ACQUIRE,
+  and a SIGKILL of the cache server in that window.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvkeep.bench.criterion import same_as_cold, same_as_hit
+from kvkeep.bench.launch import LaunchConfig, VLLMServer
+from kvkeep.bench.soak import engine_counters
+from kvkeep.serve import CacheServerConfig, CacheServerProcess
+from kvkeep.server.client import KVKeepClient
+
+from .engine import (
+    BLOCK,
+    StoredNamespace,
+    complete,
+    corrupt_stored,
+    plant_wrong_block,
+    reference,
+    reset_device_cache,
+    worker_namespace,
+)
+from .rpcproxy import RpcProxy
+
+pytestmark = pytest.mark.e2e
+
+VOCAB = 8192
+
+
+@dataclass
+class Rig:
+    cache: CacheServerProcess
+    proxy: RpcProxy
+    vllm: VLLMServer
+    rng: random.Random
+    _namespace: StoredNamespace | None = None
+
+    @property
+    def url(self) -> str:
+        return self.vllm.url
+
+    def prompt(self, tokens: int) -> list[int]:
+        return [self.rng.randrange(100, VOCAB) for _ in range(tokens)]
+
+    def client(self) -> KVKeepClient:
+        return KVKeepClient(socket_path=self.cache.cfg.socket_path, timeout_s=5.0)
+
+    def namespace(self) -> StoredNamespace:
+        """The engine's namespace, read once (tools that say HELLO later relabel it)."""
+        if self._namespace is None:
+            self._namespace = worker_namespace(self.cache.cfg.directory)
+        return self._namespace
+
+    def counters(self) -> dict[str, float]:
+        """The connector's counters once two reads a second apart agree (stats reach the API
+        server a step or two late), plus the dropped saves."""
+        last = self._read()
+        for _ in range(15):
+            time.sleep(1.0)
+            now = self._read()
+            if now == last:
+                return now
+            last = now
+        return last
+
+    def _read(self) -> dict[str, float]:
+        counts = engine_counters(self.url)
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        pattern = (
+            r'^vllm:kvkeep_events_total\{[^}]*op="save_dropped_after_failed_load"[^}]*\} (\S+)'
+        )
+        counts["dropped"] = sum(float(v) for v in re.findall(pattern, text, re.M))
+        return counts
+
+    def stored(self, ids: list[int]) -> int:
+        """How many leading full blocks of ``ids`` the cache server holds."""
+        ns = self.namespace()
+        client = self.client()
+        try:
+            return client.lookup(ns.session(), ns.keys(ids)).num_present
+        finally:
+            client.close()
+
+    def wait_stored(self, ids: list[int], blocks: int) -> None:
+        deadline = time.monotonic() + 15
+        while self.stored(ids) < blocks and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert self.stored(ids) >= blocks, f"only {self.stored(ids)} of {blocks} blocks stored"
+
+
+@pytest.fixture(scope="module")
+def rig(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    base = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvkc-{os.getpid()}-{time.time_ns()}"
+    cache = CacheServerProcess(CacheServerConfig(base / "cache", ram="8MiB", disk="0"))
+    cache.ensure()
+    proxy = RpcProxy(str(base / "proxy.sock"), cache.cfg.socket_path)
+    cfg = LaunchConfig(
+        model=tiny_model,
+        mode="kvkeep",
+        max_model_len=8192,
+        cache_socket=proxy.listen_path,
+        cache_audit=True,
+        log_dir=tmp_path_factory.mktemp("correctness-logs"),
+        extra_env=(("VLLM_SERVER_DEV_MODE", "1"),),
+    )
+    rig = Rig(cache, proxy, VLLMServer(cfg), random.Random(2026))
+    try:
+        rig.vllm.start()
+        yield rig
+    finally:
+        rig.vllm.stop()
+        proxy.close()
+        rig.cache.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def full_blocks(ids: list[int]) -> int:
+    return (len(ids) - 1) // BLOCK
+
+
+# --- the guard ---------------------------------------------------------------------------------
+
+
+def test_the_model_reads_its_context(rig: Rig) -> None:
+    """Three prefixes before the same suffix give three different greedy replies, and the
+    output distribution is far from uniform (dummy weights give ln(1/vocab) everywhere)."""
+    suffix = rig.prompt(64)
+    replies = [complete(rig.url, rig.prompt(1500) + suffix, max_tokens=8).reply for _ in range(3)]
+    tokens = [tuple(r.token_ids) for r in replies]
+    assert len(set(tokens)) == 3, (
+        f"the same suffix gave the same reply after other prefixes: {tokens}"
+    )
+    uniform = -math.log(VOCAB)
+    best = max(lp for r in replies for lp in r.logprobs)
+    assert best > uniform + 2.0, f"top logprob {best:.3f}: the model's outputs are uniform"
+
+
+def test_a_wrong_block_changes_the_reply(rig: Rig) -> None:
+    """A block with another block's bytes and a valid checksum, served from kvkeep, gives a
+    reply that both rules reject; the untouched prompt beside it passes the strict rule."""
+    planted, control = rig.prompt(1300), rig.prompt(1300)
+    refs = [reference(rig.url, ids) for ids in (planted, control)]
+    for ids in (planted, control):
+        complete(rig.url, ids)
+        rig.wait_stored(ids, full_blocks(ids))
+    client = rig.client()
+    try:
+        plant_wrong_block(client, rig.namespace(), planted, index=5)
+    finally:
+        client.close()
+    reset_device_cache(rig.url)
+    wrong, right = (complete(rig.url, ids) for ids in (planted, control))
+    assert wrong.cached_tokens == right.cached_tokens == full_blocks(planted) * BLOCK
+    assert same_as_hit(right.reply, refs[1].hit), "a correct block failed the strict rule"
+    assert not same_as_hit(wrong.reply, refs[0].hit), "a wrong block went unnoticed"
+    assert not same_as_cold(wrong.reply, refs[0].cold), "a wrong block passed as drift"
+
+
+# --- a failed load stores no wrong KV ---------------------------------------------------------
+
+
+def test_a_failed_load_stores_no_wrong_kv(rig: Rig) -> None:
+    """P is cached; its blocks are corrupted in the arena; P+Q is sent: P's loads fail their
+    checksum and the same step computes Q's blocks on top of them. Nothing of that step may
+    be stored. The recompute saves P and Q again; served from kvkeep afterwards, P+Q equals
+    vLLM's own prefix-cache hit."""
+    p, q = rig.prompt(1000), rig.prompt(600)
+    ref = reference(rig.url, p + q)
+    complete(rig.url, p)
+    rig.wait_stored(p, full_blocks(p))
+    client = rig.client()
+    try:
+        assert corrupt_stored(client, rig.namespace(), p) == full_blocks(p)
+    finally:
+        client.close()
+    before = rig.counters()
+    reset_device_cache(rig.url)
+    first = complete(rig.url, p + q)
+    mid = rig.counters()
+    assert same_as_cold(first.reply, ref.cold), "the reply of the failed load itself is wrong"
+    if rig.stored(p + q) < full_blocks(p + q):
+        reset_device_cache(rig.url)  # (a connector that did not re-save P saves it now)
+        complete(rig.url, p)
+    rig.wait_stored(p + q, full_blocks(p + q))
+    reset_device_cache(rig.url)
+    served = complete(rig.url, p + q)
+    after = rig.counters()
+    assert served.cached_tokens == full_blocks(p + q) * BLOCK
+    verdict = same_as_hit(served.reply, ref.hit)
+    assert verdict, f"P+Q served from kvkeep: {verdict.why}"
+    assert after["loaded"] - mid["loaded"] == full_blocks(p + q) * BLOCK
+    assert mid["load_failed"] > before["load_failed"], "the corrupt blocks were not refused"
+    assert mid["dropped"] > before["dropped"], "the failed step's saves were not dropped"
+    assert rig.stored(p) == full_blocks(p), "P's blocks were not saved by the recompute"
+
+
+def _flood(rig: Rig, blocks: int) -> None:
+    """Write ``blocks`` blocks of another namespace: the RAM tier's LRU evicts the rest."""
+    ns = rig.namespace()
+    client = rig.client()
+    try:
+        session = client.session(os.urandom(32), ns.block_bytes, "flood")
+        for _ in range(blocks):
+            slots = client.reserve(session, [os.urandom(32)])
+            client.commit(session, slots)
+    finally:
+        client.close()
+
+
+def test_eviction_between_lookup_and_acquire_is_a_clean_miss(rig: Rig) -> None:
+    """The proxy holds the worker's ACQUIRE until the RAM tier (32 blocks) has evicted every
+    block the scheduler's LOOKUP found: the load misses, vLLM recomputes, the reply is right,
+    and what is stored afterwards is right."""
+    ids = rig.prompt(1500)
+    ref = reference(rig.url, ids)
+    complete(rig.url, ids)
+    rig.wait_stored(ids, full_blocks(ids))
+    before = rig.counters()
+    reset_device_cache(rig.url)
+    rig.proxy.arm("ACQUIRE", lambda: _flood(rig, 40))
+    try:
+        raced = complete(rig.url, ids)
+    finally:
+        rig.proxy.disarm()
+    mid = rig.counters()
+    assert "ACQUIRE" in rig.proxy.fired
+    assert mid["load_failed"] - before["load_failed"] == full_blocks(ids) * BLOCK
+    assert mid["loaded"] == before["loaded"]
+    assert same_as_cold(raced.reply, ref.cold)
+    rig.wait_stored(ids, full_blocks(ids))  # saved again by the recompute
+    reset_device_cache(rig.url)
+    again = complete(rig.url, ids)
+    assert again.cached_tokens == full_blocks(ids) * BLOCK
+    assert same_as_hit(again.reply, ref.hit)
+
+
+def test_sigkill_between_lookup_and_acquire(rig: Rig) -> None:
+    """The cache server is SIGKILLed after the LOOKUP and before the ACQUIRE: the load fails,
+    vLLM recomputes, nothing wrong is stored, and with a new server the prompt is cached and
+    served right again."""
+    ids = rig.prompt(1200)
+    ref = reference(rig.url, ids)
+    complete(rig.url, ids)
+    rig.wait_stored(ids, full_blocks(ids))
+    reset_device_cache(rig.url)
+
+    def kill() -> None:
+        pid = rig.cache.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        rig.cache.stop(timeout_s=5)
+
+    rig.proxy.arm("ACQUIRE", kill)
+    try:
+        killed = complete(rig.url, ids)
+    finally:
+        rig.proxy.disarm()
+        rig.cache.ensure()
+    assert "ACQUIRE" in rig.proxy.fired
+    assert same_as_cold(killed.reply, ref.cold)
+    # the new server's RAM is empty; the connector reconnects (backoff up to 5 s) and saves
+    deadline = time.monotonic() + 30
+    while rig.stored(ids) < full_blocks(ids) and time.monotonic() < deadline:
+        reset_device_cache(rig.url)
+        complete(rig.url, ids)
+        time.sleep(1.0)
+    assert rig.stored(ids) == full_blocks(ids), "the connector did not save after the restart"
+    reset_device_cache(rig.url)
+    again = complete(rig.url, ids)
+    assert again.cached_tokens == full_blocks(ids) * BLOCK
+    assert same_as_hit(again.reply, ref.hit)

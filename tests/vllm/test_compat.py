@@ -1,0 +1,313 @@
+"""What kvkeep refuses: requests its keys cannot describe, and engines it would cache wrongly.
+
+Built from vLLM's real request, LoRA, multimodal and KV cache spec classes; only VllmConfig is
+a stand-in (a real one needs a model), holding vLLM's real ParallelConfig and KVTransferConfig.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from vllm.config import KVTransferConfig, ParallelConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.lora.request import LoRARequest
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SinkFullAttentionSpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+)
+from vllm.v1.request import Request
+
+from kvkeep.keys import Namespace
+from kvkeep.server.client import CacheUnavailable, KVKeepClient, LookupResult
+from kvkeep.vllm import compat
+from kvkeep.vllm.compat import UnsupportedConfig, check_supported, unkeyable_reason
+from kvkeep.vllm.connector import KVKeepConnector, KVKeepPromMetrics, _SchedulerSide
+from kvkeep.vllm.scheduling import COUNTER_NAMES
+
+BS = 16
+
+
+def request(req_id: str = "r", n: int = 3 * BS + 1, **kw: Any) -> Request:
+    tokens = None if "prompt_embeds" in kw else list(range(100, 100 + n))
+    return Request(req_id, tokens, SamplingParams(max_tokens=4), None, **kw)
+
+
+def lora() -> LoRARequest:
+    return LoRARequest("adapter", 1, "/adapters/adapter")
+
+
+def image(offset: int = 2, length: int = 20) -> MultiModalFeatureSpec:
+    return MultiModalFeatureSpec(
+        data=None,
+        modality="image",
+        identifier="img-1",
+        mm_position=PlaceholderRange(offset, length),
+    )
+
+
+# --- requests kvkeep cannot key ---------------------------------------------------------------
+
+
+def test_a_plain_request_is_keyable() -> None:
+    assert unkeyable_reason(request(cache_salt="s")) is None  # the salt is in kvkeep's keys
+
+
+@pytest.mark.parametrize(
+    ("kw", "reason"),
+    [
+        ({"lora_request": lora()}, "lora"),
+        ({"mm_features": [image()]}, "multimodal"),
+        ({"prompt_embeds": torch.zeros(3 * BS + 1, 8)}, "prompt_embeds"),
+    ],
+    ids=["lora", "multimodal", "prompt_embeds"],
+)
+def test_requests_with_vllm_extra_keys_are_unkeyable(kw: dict[str, Any], reason: str) -> None:
+    assert unkeyable_reason(request(**kw)) == reason
+    assert f"unkeyable_{reason}" in COUNTER_NAMES
+    assert KVKeepPromMetrics._EVENTS[f"unkeyable_{reason}"] == f"unkeyable_{reason}"
+
+
+def test_prompt_embeds_would_collide_on_token_ids() -> None:
+    """Why embeddings must not be keyed by token ids: vLLM gives them ids of all zeros."""
+    a = request("a", prompt_embeds=torch.zeros(BS, 8))
+    b = request("b", prompt_embeds=torch.ones(BS, 8))
+    assert list(a.all_token_ids) == list(b.all_token_ids) == [0] * BS
+
+
+# --- the scheduler side neither looks them up nor saves them ---------------------------------
+
+NS = Namespace(model_digest="m", kv_dtype="bf16", layout="LBHNC", backend="cpu/vec", block_size=BS)
+
+
+class FakeClient:
+    """The cache server, down at HELLO and holding every block at LOOKUP; records lookups."""
+
+    socket_path = "/nonexistent/kvkeep.sock"
+    session = staticmethod(KVKeepClient.session)
+
+    def __init__(self) -> None:
+        self.lookups: list[int] = []
+
+    def hello(self, *args: Any) -> None:
+        raise CacheUnavailable("down")
+
+    def lookup(self, session: Any, keys: list[bytes]) -> LookupResult:
+        self.lookups.append(len(keys))
+        return LookupResult(len(keys), ("ram",) * len(keys))
+
+
+@pytest.fixture
+def side(monkeypatch: pytest.MonkeyPatch) -> tuple[_SchedulerSide, FakeClient]:
+    monkeypatch.setattr(compat, "namespace", lambda vllm_config, kv_cache_config: NS)
+    monkeypatch.setattr(compat, "expected_block_bytes", lambda kv_cache_config: 1024)
+    client = FakeClient()
+    return _SchedulerSide(None, None, client), client  # type: ignore[arg-type]
+
+
+def blocks(n: int) -> KVCacheBlocks:
+    return KVCacheBlocks(([KVCacheBlock(i) for i in range(n)],))
+
+
+def first_step(req: Request) -> Any:
+    """The fields of vLLM's SchedulerOutput that the plan reads: ``req``'s whole prompt
+    scheduled in its first step, in engine blocks 0..3."""
+    new = SimpleNamespace(req_id=req.request_id, block_ids=([0, 1, 2, 3],), num_computed_tokens=0)
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set())
+    return SimpleNamespace(
+        scheduled_new_reqs=[new],
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens={req.request_id: req.num_tokens},
+    )
+
+
+def test_a_plain_request_is_looked_up_tracked_and_saved(
+    side: tuple[_SchedulerSide, FakeClient],
+) -> None:
+    scheduler, client = side
+    req = request()
+    assert scheduler.match(req, 0) == 3 * BS
+    assert client.lookups == [3]
+    scheduler.after_alloc(req, blocks(4), 0)  # say vLLM did not take the hit
+    assert scheduler.book.tracking(req.request_id)
+    plan = scheduler.plan(first_step(req))
+    assert plan is not None
+    assert [s.block_id for s in plan.saves] == [0, 1, 2]
+
+
+def test_a_lora_request_is_not_looked_up_nor_saved(
+    side: tuple[_SchedulerSide, FakeClient],
+) -> None:
+    scheduler, client = side
+    req = request(lora_request=lora())
+    for _ in range(2):  # vLLM asks again on each admission attempt, and after a preemption
+        assert scheduler.match(req, 0) == 0
+        scheduler.after_alloc(req, blocks(4), 0)
+    assert client.lookups == []
+    assert not scheduler.book.tracking(req.request_id)
+    plan = scheduler.plan(first_step(req))
+    assert plan is not None
+    assert plan.saves == ()
+    assert scheduler.counters.take() == {"unkeyable_lora": 1}  # once per request
+    scheduler.finished(req.request_id)
+    scheduler.after_alloc(request(req.request_id, mm_features=[image()]), blocks(4), 0)
+    assert scheduler.counters.take() == {"unkeyable_multimodal": 1}  # a new request, counted
+
+
+# --- engines kvkeep refuses at start-up --------------------------------------------------------
+
+
+def full(**kw: Any) -> FullAttentionSpec:
+    return FullAttentionSpec(
+        block_size=BS, num_kv_heads=2, head_size=kw.pop("head_size", 64), dtype=torch.bfloat16, **kw
+    )
+
+
+def cache_config(*specs: KVCacheSpec) -> KVCacheConfig:
+    groups = [KVCacheGroupSpec([f"g{g}.l{i}" for i in range(2)], s) for g, s in enumerate(specs)]
+    return KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def engine(**parallel: int) -> Any:
+    return SimpleNamespace(
+        parallel_config=ParallelConfig(**parallel),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KVKeepConnector",
+            kv_connector_module_path="kvkeep.vllm.connector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"socket": "/nonexistent/kvkeep.sock"},
+        ),
+    )
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [full(), full(sliding_window=4096)],  # a sliding-window model with vLLM's HMA off
+    ids=["full", "full-with-window"],
+)
+def test_plain_full_attention_is_accepted(spec: FullAttentionSpec) -> None:
+    check_supported(engine(), cache_config(spec))
+    check_supported(engine(tensor_parallel_size=2), cache_config(spec))
+
+
+def test_pipeline_parallelism_is_refused() -> None:
+    with pytest.raises(UnsupportedConfig) as err:
+        check_supported(engine(pipeline_parallel_size=2), cache_config(full()))
+    message = str(err.value)
+    assert "pipeline_parallel_size=2" in message
+    assert "pipeline stage" in message
+    assert "--pipeline-parallel-size 1" in message
+
+
+@pytest.mark.parametrize(
+    ("field", "flag"),
+    [
+        ("decode_context_parallel_size", "--decode-context-parallel-size 1"),
+        ("prefill_context_parallel_size", "--prefill-context-parallel-size 1"),
+    ],
+)
+def test_context_parallelism_is_refused(field: str, flag: str) -> None:
+    parallel = ParallelConfig(tensor_parallel_size=2)
+    object.__setattr__(parallel, field, 2)  # validation wants real ranks; the value is enough
+    with pytest.raises(UnsupportedConfig, match=f"{field}=2.*{flag}"):
+        check_supported(SimpleNamespace(parallel_config=parallel), cache_config(full()))
+
+
+def mixed_head_sizes() -> UniformTypeKVCacheSpecs:
+    spec = UniformTypeKVCacheSpecs.from_specs({"l0": full(), "l1": full(head_size=128)})
+    assert spec is not None
+    return spec
+
+
+@pytest.mark.parametrize(
+    ("config", "words"),
+    [
+        (None, "given none"),
+        (cache_config(), "no KV cache"),
+        (cache_config(mixed_head_sizes()), "different KV specs"),
+        (
+            cache_config(
+                MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+            ),
+            "MLA",
+        ),
+        (
+            cache_config(MambaSpec(block_size=BS, shapes=((4, 8),), dtypes=(torch.float32,))),
+            "Mamba",
+        ),
+        (
+            cache_config(
+                full(),
+                SlidingWindowSpec(
+                    block_size=BS,
+                    num_kv_heads=2,
+                    head_size=64,
+                    dtype=torch.bfloat16,
+                    sliding_window=128,
+                ),
+            ),
+            "2 groups",
+        ),
+        (cache_config(full(), full(head_size=128)), "group 0 only"),
+        (
+            cache_config(
+                SinkFullAttentionSpec(
+                    block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sink_len=4
+                )
+            ),
+            "not plain full attention",
+        ),
+        (cache_config(full(non_causal=True)), "non-causal"),
+        (cache_config(full(tokens_per_state=4)), "covers 4 tokens"),
+    ],
+    ids=[
+        "none",
+        "no-groups",
+        "mixed-heads",
+        "mla",
+        "mamba",
+        "hybrid",
+        "two-full-groups",
+        "sink",
+        "non-causal",
+        "compressed",
+    ],
+)
+def test_kv_specs_kvkeep_cannot_describe_are_refused(config: Any, words: str) -> None:
+    with pytest.raises(UnsupportedConfig) as err:
+        check_supported(engine(), config)
+    assert words in str(err.value)
+    assert "run without the kvkeep connector" in str(err.value)
+
+
+def test_the_connector_refuses_before_it_connects() -> None:
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(UnsupportedConfig, match="pipeline_parallel_size=2"):
+            KVKeepConnector(engine(pipeline_parallel_size=2), role, cache_config(full()))
+        with pytest.raises(UnsupportedConfig, match="different KV specs"):
+            KVKeepConnector(engine(), role, cache_config(mixed_head_sizes()))
+
+
+def test_weights_fingerprint_tells_checkpoints_apart(tmp_path: Path) -> None:
+    """Same directory, same config, other weights: another namespace. Hub ids have none."""
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"a" * 3_000_000)
+    first = compat.weights_fingerprint(str(tmp_path))
+    assert first is not None and first == compat.weights_fingerprint(str(tmp_path))
+    (tmp_path / "model.safetensors").write_bytes(b"a" * 2_999_999 + b"b")
+    assert compat.weights_fingerprint(str(tmp_path)) != first
+    assert compat.weights_fingerprint("Qwen/Qwen2.5-Coder-7B-Instruct") is None
