@@ -33,6 +33,16 @@ def test_cold_allows_drift_and_a_broken_tie_but_not_a_wrong_token() -> None:
     assert not same_as_cold(Reply([5, 6], [-1.0, -2.0]), HIT)
 
 
+def test_a_tie_seen_only_by_the_candidate_counts() -> None:
+    """Three-way bf16 ties: the cold run's list may miss the candidate's token while the
+    candidate lists the cold run's choice right beside its own."""
+    cold = Reply([5, 6], [-1.0, -2.0], [{5: -1.0}, {6: -2.0, 8: -2.0}])
+    candidate = Reply([5, 9], [-1.0, -2.0], [{5: -1.0}, {9: -2.0, 6: -2.0}])
+    assert same_as_cold(candidate, cold)
+    far = Reply([5, 9], [-1.0, -2.0], [{5: -1.0}, {9: -2.0, 6: -2.5}])
+    assert not same_as_cold(far, cold)
+
+
 def test_without_alternatives_any_token_difference_fails() -> None:
     cold = Reply([5, 6], [-1.0, -2.0])
     assert not same_as_cold(Reply([5, 8], [-1.0, -2.0]), cold)

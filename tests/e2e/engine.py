@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import httpx
 
-from kvkeep.bench.criterion import Reply
+from kvkeep.bench.criterion import TOP_ALTERNATIVES, Reply
 from kvkeep.keys import BlockKey, chain_keys, root_key_of
 from kvkeep.server.client import KVKeepClient, Session
 
@@ -37,14 +37,14 @@ class Reference(NamedTuple):
 
 
 def complete(url: str, ids: list[int], salt: str | None = None, max_tokens: int = 8) -> Served:
-    """A greedy completion of token ids, with each position's two best alternatives."""
+    """A greedy completion of token ids, with each position's best alternatives."""
     body: dict[str, object] = {
         "model": MODEL_NAME,
         "prompt": ids,
         "max_tokens": max_tokens,
         "temperature": 0.0,
         "ignore_eos": True,
-        "logprobs": 2,
+        "logprobs": TOP_ALTERNATIVES,
         "return_tokens_as_token_ids": True,
     }
     if salt is not None:

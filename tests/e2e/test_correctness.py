@@ -88,12 +88,15 @@ class Rig:
         return last
 
     def _read(self) -> dict[str, float]:
+        """Token counters by op, plus event counters by op (``dropped`` for dropped saves)."""
         counts = engine_counters(self.url)
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        pattern = (
-            r'^vllm:kvkeep_events_total\{[^}]*op="save_dropped_after_failed_load"[^}]*\} (\S+)'
-        )
-        counts["dropped"] = sum(float(v) for v in re.findall(pattern, text, re.M))
+        pattern = r'^vllm:kvkeep_events_total\{[^}]*op="(\w+)"[^}]*\} (\S+)'
+        for op in ("save_dropped_after_failed_load", "audit_block", "audit_mismatch"):
+            counts[op] = 0.0
+        for op, value in re.findall(pattern, text, re.M):
+            counts[op] = counts.get(op, 0.0) + float(value)
+        counts["dropped"] = counts["save_dropped_after_failed_load"]
         return counts
 
     def stored(self, ids: list[int]) -> int:
@@ -293,3 +296,37 @@ def test_sigkill_between_lookup_and_acquire(rig: Rig) -> None:
     again = complete(rig.url, ids)
     assert again.cached_tokens == full_blocks(ids) * BLOCK
     assert same_as_hit(again.reply, ref.hit)
+
+
+# --- the debug aid ------------------------------------------------------------------------------
+
+
+def test_audit_tells_drift_from_a_wrong_block(rig: Rig) -> None:
+    """A block-aligned prompt's last block is computed again on every send (vLLM must compute
+    a token) while kvkeep keeps its first copy. With ``audit`` on, the connector compares the
+    two: equal or drift, logged at INFO. Once a wrong block is planted there, the same
+    comparison counts a mismatch and logs a warning; the block is never loaded (no claim
+    covers a prompt's last token), so the reply stays right."""
+    aligned = rig.prompt(10 * BLOCK)
+    ref = reference(rig.url, aligned)
+    complete(rig.url, aligned)
+    rig.wait_stored(aligned, 10)
+    before = rig.counters()
+    reset_device_cache(rig.url)
+    complete(rig.url, aligned)
+    mid = rig.counters()
+    assert mid["audit_block"] == before["audit_block"] + 1
+    client = rig.client()
+    try:
+        plant_wrong_block(client, rig.namespace(), aligned, index=9)
+    finally:
+        client.close()
+    reset_device_cache(rig.url)
+    served = complete(rig.url, aligned)
+    after = rig.counters()
+    assert after["audit_block"] == mid["audit_block"] + 1
+    assert after["audit_mismatch"] == mid["audit_mismatch"] + 1
+    warnings = [line for line in rig.vllm.log_path.read_text().splitlines()
+                if "kvkeep audit" in line and "WARNING" in line]  # fmt: skip
+    assert len(warnings) == 1, warnings
+    assert same_as_hit(served.reply, ref.hit)

@@ -1,6 +1,7 @@
 """A short `kvkeep bench soak`: agents on kvkeep while the cache server is SIGKILLed (and its
 disk corrupted) and vLLM restarted; no request may fail and no output may differ from the
-no-cache reference. About 3 minutes on 2 cores (two vLLM starts)."""
+no-cache reference beyond numeric drift (``kvkeep.bench.criterion``). About 3 minutes on 2
+cores (two vLLM starts)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ def test_short_soak_has_no_failed_request_and_no_wrong_output(
     doc = run(spec, SoakSetup(tiny_model, tmp_path / "logs"))
     print(table(doc))
     assert doc["failed_requests"] == 0, doc["errors"]
-    assert doc["wrong_outputs"] == 0
-    assert doc["logprob_mismatches"] == 0
+    assert doc["wrong_outputs"] == 0, doc["errors"]
+    assert doc["replies_compared"] == doc["requests"] > 0
+    assert doc["tokens_compared"] >= doc["replies_compared"]
     assert doc["server_kills"] >= 3
     assert doc["engine_restarts"] >= 1
     assert doc["kvkeep_hit_blocks"] > 0

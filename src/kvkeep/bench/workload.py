@@ -17,7 +17,7 @@ single turn adds more than about 8k.
 
 The assistant's replies are synthetic text of `max_output_tokens` tokens, not the model's own
 output: every mode then sees byte-identical prompts, which is what a side-by-side comparison
-needs (a tiny model with dummy weights would reply with noise anyway).
+needs (the tiny model's random weights would reply with noise anyway).
 
 Token counts come from a `TokenCounter`: the model's own tokenizer when it is known, or an
 estimate of CHARS_PER_TOKEN characters per token otherwise. The runner reports the counts the

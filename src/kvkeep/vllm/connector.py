@@ -145,6 +145,8 @@ class KVKeepPromMetrics(KVConnectorPromMetrics):
         "lookup_failures": "lookup_failed",
         "save_failures": "save_failed",
         "saves_dropped": "save_dropped_after_failed_load",  # blocks
+        "audit_blocks": "audit_block",
+        "audit_mismatches": "audit_mismatch",
         "unkeyable_lora": "unkeyable_lora",
         "unkeyable_multimodal": "unkeyable_multimodal",
         "unkeyable_prompt_embeds": "unkeyable_prompt_embeds",
