@@ -108,6 +108,13 @@ class Rig:
         finally:
             client.close()
 
+    def plant_wrong_block(self, ids: list[int], index: int) -> None:
+        client = self.client()
+        try:
+            plant_wrong_block(client, self.namespace(), ids, index)
+        finally:
+            client.close()
+
     def wait_stored(self, ids: list[int], blocks: int) -> None:
         deadline = time.monotonic() + 15
         while self.stored(ids) < blocks and time.monotonic() < deadline:
@@ -170,11 +177,7 @@ def test_a_wrong_block_changes_the_reply(rig: Rig) -> None:
     for ids in (planted, control):
         complete(rig.url, ids)
         rig.wait_stored(ids, full_blocks(ids))
-    client = rig.client()
-    try:
-        plant_wrong_block(client, rig.namespace(), planted, index=5)
-    finally:
-        client.close()
+    rig.plant_wrong_block(planted, index=5)
     reset_device_cache(rig.url)
     wrong, right = (complete(rig.url, ids) for ids in (planted, control))
     assert wrong.cached_tokens == right.cached_tokens == full_blocks(planted) * BLOCK
@@ -316,11 +319,7 @@ def test_audit_tells_drift_from_a_wrong_block(rig: Rig) -> None:
     complete(rig.url, aligned)
     mid = rig.counters()
     assert mid["audit_block"] == before["audit_block"] + 1
-    client = rig.client()
-    try:
-        plant_wrong_block(client, rig.namespace(), aligned, index=9)
-    finally:
-        client.close()
+    rig.plant_wrong_block(aligned, index=9)
     reset_device_cache(rig.url)
     served = complete(rig.url, aligned)
     after = rig.counters()
