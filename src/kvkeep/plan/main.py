@@ -18,6 +18,7 @@ from typing import Any
 
 from kvkeep.bench.workload import STUDY_TURNS, SessionSpec
 from kvkeep.plan import compare
+from kvkeep.plan.claude_code import TRACE_BLOCK_TOKENS, Arrival, is_claude_code, read_claude_code
 from kvkeep.plan.cost import PrefillModel, Workload, calibrate, estimate, load_verdict
 from kvkeep.plan.footprint import KVFootprint, resolve_model
 from kvkeep.plan.report import Findings, plot, recommend, to_json
@@ -34,7 +35,12 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvkeep plan", description=__doc__.splitlines()[0])
     src = p.add_argument_group("workload (one of)")
     w = src.add_mutually_exclusive_group(required=True)
-    w.add_argument("--trace", type=Path, help="Mooncake JSONL, or `kvkeep bench session --json`")
+    w.add_argument(
+        "--trace",
+        type=Path,
+        help="Mooncake JSONL, `kvkeep bench session --json`, or Claude Code traces "
+        "(a .json/.json.gz file or a directory of them)",
+    )
     w.add_argument("--session", action="store_true", help="kvkeep's generated agent sessions")
     w.add_argument("--tiles", type=int, metavar="N", help="N documents queried in tile order")
     w.add_argument(
@@ -43,7 +49,17 @@ def parser() -> argparse.ArgumentParser:
         metavar="RESULTS",
         help="bench results.json (all, capacity or agents): predicted vs measured hit rates",
     )
-    src.add_argument("--block-tokens", type=int, help="default 512 for --trace, else 128 (CPU)")
+    src.add_argument(
+        "--block-tokens",
+        type=int,
+        help="default 512 for Mooncake, 64 for Claude Code traces, else 128 (CPU)",
+    )
+    claude = "Claude Code traces: sessions"
+    src.add_argument("--window", type=float, metavar="S",
+                     help=f"{claude} start uniformly over S seconds")  # fmt: skip
+    src.add_argument("--rate", type=float, metavar="R",
+                     help=f"{claude} arrive as a Poisson process, R per second")  # fmt: skip
+    src.add_argument("--seed", type=int, default=0, help="seed of the arrival model")
     src.add_argument(
         "--vllm-blocks",
         action="store_true",
@@ -94,7 +110,14 @@ def _ints(text: str) -> list[int]:
 
 def load_trace(args: argparse.Namespace) -> BlockTrace:
     """The workload the arguments name."""
+    if args.trace and is_claude_code(args.trace):
+        arrival = Arrival(args.window, args.rate, args.seed)
+        block = args.block_tokens or TRACE_BLOCK_TOKENS
+        return read_claude_code(args.trace, block, args.vllm_blocks, arrival)
     if args.trace:
+        if args.window is not None or args.rate is not None:
+            raise TraceError("--window and --rate interleave Claude Code sessions; "
+                             f"{args.trace} is not a Claude Code trace")  # fmt: skip
         block = args.block_tokens or 512
         return read_trace(args.trace, block, args.vllm_blocks, args.mode)
     block = args.block_tokens or 128

@@ -69,6 +69,8 @@ def to_json(f: Findings, lines: list[str], elapsed_s: float) -> dict[str, Any]:
             "rules": trace.rules,
             "block_tokens": trace.block_tokens,
             "requests": len(trace.requests),
+            "sessions": trace.sessions,
+            "max_concurrent_sessions": trace.max_concurrent() if trace.sessions else None,
             "references": sd.references,
             "distinct_blocks": sd.distinct_blocks,
             "prompt_tokens": trace.prompt_tokens,
@@ -109,6 +111,7 @@ def recommend(f: Findings) -> list[str]:
     ]
     lines += [_tier_line(f, hits, ceiling) for hits in f.tier_hits]
     lines += _advice(f, ceiling)
+    lines += _agents_line(f)
     lines += [_verdict_line(v) for v in f.verdicts]
     lines += [_estimate_line(e) for e in f.estimates]
     return lines
@@ -148,6 +151,20 @@ def _advice(f: Findings, ceiling: float) -> list[str]:
     if reach < need and ram:
         persist = f"add disk of {f.size(need)}: the working set outgrows the RAM tier"
     return [*out, persist]
+
+
+def _agents_line(f: Findings) -> list[str]:
+    """The answer in a user's terms, for traces of agent sessions with tiers given."""
+    if not f.trace.sessions or not f.tier_hits:
+        return []
+    sizes = ", ".join(f"{h.name} {f.size(h.capacity_blocks)}" for h in f.tier_hits)
+    model = f" on {f.footprint.describe()}" if f.footprint is not None else ""
+    reach = f.sd.token_hit_rate(sum(h.capacity_blocks for h in f.tier_hits))
+    return [
+        f"for {f.trace.sessions} agent sessions like these (at most "
+        f"{f.trace.max_concurrent()} at once){model}: {sizes} -> {reach:.1%} of prompt tokens "
+        "served from cache"
+    ]
 
 
 def _verdict_line(v: LoadVerdict) -> str:

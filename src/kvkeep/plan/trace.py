@@ -6,6 +6,8 @@ share block id ``x`` at position ``i`` share their first ``i + 1`` blocks. Reade
 - :func:`read_mooncake`: Mooncake-format JSONL (``timestamp`` ms, ``input_length``,
   ``output_length``, ``hash_ids``); every id counts as a block, as the trace defines them,
   unless ``vllm_blocks`` applies vLLM's rules (below).
+- :mod:`kvkeep.plan.claude_code`: real Claude Code sessions (kv-cache-tester's format), one
+  file or a directory, interleaved by an arrival model.
 - :func:`read_runner_output`: ``kvkeep bench session`` JSON (``modes.MODE.turns``). It holds
   prompt sizes, not tokens, so each turn is modelled as the previous turn's prompt extended,
   which is what the session generator guarantees.
@@ -61,6 +63,23 @@ class BlockTrace:
     block_tokens: int
     source: str
     rules: str  # "trace" (every id is a block) or "vllm" (full blocks, >= 1 token computed)
+    sessions: int = 0  # agent sessions interleaved in the trace, where the format says
+
+    def max_concurrent(self) -> int:
+        """Most sessions (``Request.stream``) active at once: between a session's first and
+        last request."""
+        spans: dict[int, tuple[float, float]] = {}
+        for r in self.requests:
+            lo, hi = spans.get(r.stream, (r.time_s, r.time_s))
+            spans[r.stream] = (min(lo, r.time_s), max(hi, r.time_s))
+        starts = [(lo, 1) for lo, _ in spans.values()]
+        ends = [(hi, -1) for _, hi in spans.values()]
+        edges = sorted(starts + ends, key=lambda e: (e[0], -e[1]))
+        best = now = 0
+        for _, step in edges:
+            now += step
+            best = max(best, now)
+        return best
 
     def __post_init__(self) -> None:
         if self.block_tokens <= 0:
