@@ -42,7 +42,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+import zlib
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -62,6 +63,7 @@ from kvkeep.server.client import CacheUnavailable, KVKeepClient, Session, SlotRe
 from kvkeep.vllm import compat
 from kvkeep.vllm.layout import KVLayout
 from kvkeep.vllm.scheduling import (
+    PROFILE_NAMES,
     BlockTransfer,
     ClaimRange,
     ConnectorConfig,
@@ -139,7 +141,11 @@ class KVKeepPromMetrics(KVConnectorPromMetrics):
         "load_failed_tokens": "load_failed",
         "saved_tokens": "saved",
     }
-    _SECONDS: ClassVar[dict[str, str]] = {"load_s": "load", "save_s": "save"}
+    _SECONDS: ClassVar[dict[str, str]] = {
+        "load_s": "load",
+        "save_s": "save",
+        **{name: name.removesuffix("_s") for name in PROFILE_NAMES},
+    }
     _EVENTS: ClassVar[dict[str, str]] = {
         "lookups": "lookup",
         "lookup_failures": "lookup_failed",
@@ -336,7 +342,8 @@ class _SchedulerSide:
         try:
             if compat.unkeyable_reason(request) is not None:
                 return 0  # no LOOKUP; after_alloc counts the reason once
-            return self._match(request, num_computed_tokens)
+            with self.counters.timed("match_s"):
+                return self._match(request, num_computed_tokens)
         except Exception:
             log.exception("kvkeep: lookup failed; treating it as a miss")
             self.counters.add("lookup_failures", 1)
@@ -359,7 +366,9 @@ class _SchedulerSide:
         keys = self.book.keys_for(request.request_id, tokens, compat.request_salt(request))
         self.counters.add("lookups", 1)
         try:
-            return self.client.lookup(self.session, keys[claim.first : claim.limit]).num_present
+            with self.counters.timed("lookup_rpc_s"):
+                found = self.client.lookup(self.session, keys[claim.first : claim.limit])
+            return found.num_present
         except CacheUnavailable as exc:
             self.counters.add("lookup_failures", 1)
             log.debug("kvkeep: lookup unavailable: %s", exc)
@@ -388,7 +397,8 @@ class _SchedulerSide:
     def plan(self, out: Any) -> StepPlan | None:
         """This step's loads and saves; None (nothing to do) if planning itself failed."""
         try:
-            return self._plan(out)
+            with self.counters.timed("plan_s"):
+                return self._plan(out)
         except Exception:
             log.exception("kvkeep: could not plan this step; skipping its loads and saves")
             return None
@@ -521,15 +531,17 @@ class _WorkerSide:
         done = 0
         try:
             session = self._session(plan)
-            slots = self.client.acquire(session, [b.key for b in request.blocks])
+            with self._timed("acquire_rpc_s"):
+                slots = self.client.acquire(session, [b.key for b in request.blocks])
             for block, slot in zip(request.blocks, slots, strict=False):
-                if slot.key != block.key or not self.client.verify(slot):
+                if slot.key != block.key or not self._verify(slot):
                     log.warning("kvkeep: block %s failed its checksum", block.key.hex()[:12])
                     # Report every bad one of the rest too (this path is rare): the server
                     # drops them, so one pass is enough for loads or saves to replace them.
                     corrupt = [s for s in slots[done:] if not self.client.verify(s)]
                     break
-                self.layout.scatter(block.block_id, self.client.slot_view(slot))
+                with self._timed("copy_in_s"):
+                    self.layout.scatter(block.block_id, self.client.slot_view(slot))
                 done += 1
         except Exception as exc:
             log.warning("kvkeep: load of %s stopped after %d blocks: %s", request.req_id, done, exc)
@@ -541,8 +553,12 @@ class _WorkerSide:
         if not slots:
             return
         # On failure the server drops a dead connection's pins itself.
-        with contextlib.suppress(CacheUnavailable):
+        with contextlib.suppress(CacheUnavailable), self._timed("release_rpc_s"):
             self.client.release(slots, corrupt)
+
+    def _verify(self, slot: SlotRef) -> bool:
+        with self._timed("verify_s"):
+            return self.client.verify(slot)
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -585,10 +601,12 @@ class _WorkerSide:
         for block in saves:
             by_key.setdefault(block.key, block.block_id)
         keys = list(by_key)
-        slots = self.client.reserve(session, keys)
+        with self._timed("reserve_rpc_s"):
+            slots = self.client.reserve(session, keys)
         try:
-            for slot in slots:
-                self.layout.gather(by_key[slot.key], self.client.slot_view(slot))
+            with self._timed("copy_out_s"):
+                for slot in slots:
+                    self.layout.gather(by_key[slot.key], self.client.slot_view(slot))
         except Exception:
             self._release(slots)
             raise
@@ -641,7 +659,10 @@ class _WorkerSide:
 
     def _commit(self, session: Session, slots: list[SlotRef]) -> None:
         try:
-            self.client.commit(session, slots)
+            with self._timed("checksum_s"):
+                crcs = [zlib.crc32(self.client.slot_view(s).data) for s in slots]
+            with self._timed("commit_rpc_s"):
+                self.client.commit(session, slots, crcs)
         except Exception as exc:
             self._count("save_failures", 1)
             log.debug("kvkeep: commit failed: %s", exc)
@@ -652,6 +673,14 @@ class _WorkerSide:
     def _count(self, name: str, amount: float) -> None:
         self.counters.add(name, amount)
         self.totals.add(name, amount)
+
+    @contextlib.contextmanager
+    def _timed(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._count(name, time.perf_counter() - t0)
 
     def _maybe_summarize(self) -> None:
         now = time.monotonic()

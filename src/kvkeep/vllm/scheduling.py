@@ -28,9 +28,12 @@ the whole step's saves), and the save frontier of every request is moved back:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
+import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -326,6 +329,24 @@ class RequestBook:
 
 # --- counters ------------------------------------------------------------------------------
 
+PROFILE_NAMES = (
+    # scheduler: a whole admission answer, its LOOKUP round trip, a whole step plan
+    "match_s",
+    "lookup_rpc_s",
+    "plan_s",
+    # worker, loads (before the forward): ACQUIRE, checksums, copies in, RELEASE
+    "acquire_rpc_s",
+    "verify_s",
+    "copy_in_s",
+    "release_rpc_s",
+    # worker, saves (after the forward): RESERVE, copies out; the commit thread: CRCs, COMMIT
+    "reserve_rpc_s",
+    "copy_out_s",
+    "checksum_s",
+    "commit_rpc_s",
+)
+"""Where a kvkeep step's time goes, in seconds (``vllm:kvkeep_seconds_total{op=...}``)."""
+
 COUNTER_NAMES = (
     "lookups",
     "lookup_failures",
@@ -337,29 +358,43 @@ COUNTER_NAMES = (
     "saves_dropped",
     "audit_blocks",
     "audit_mismatches",
-    "load_s",
-    "save_s",
     "unkeyable_lora",
     "unkeyable_multimodal",
     "unkeyable_prompt_embeds",
+    "load_s",
+    "save_s",
+    *PROFILE_NAMES,
 )
 
 
 @dataclass
 class Counters:
-    """kvkeep's own count of what the connector did; merged across workers by addition."""
+    """kvkeep's own count of what the connector did; merged across workers by addition.
+    Thread-safe (the commit thread counts too)."""
 
     values: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COUNTER_NAMES, 0))
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, name: str, amount: float) -> None:
-        self.values[name] = self.values.get(name, 0) + amount
+        with self._lock:
+            self.values[name] = self.values.get(name, 0) + amount
 
     def merge(self, other: Mapping[str, float]) -> None:
         for name, amount in other.items():
             self.add(name, amount)
 
+    @contextlib.contextmanager
+    def timed(self, name: str) -> Iterator[None]:
+        """Add the block's wall time to ``name`` (seconds), also when it raises."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - t0)
+
     def take(self) -> dict[str, float] | None:
         """The non-zero counts since the last take, and reset; None if nothing happened."""
-        data = {k: v for k, v in self.values.items() if v}
-        self.values = dict.fromkeys(COUNTER_NAMES, 0)
+        with self._lock:
+            data = {k: v for k, v in self.values.items() if v}
+            self.values = dict.fromkeys(COUNTER_NAMES, 0)
         return data or None
