@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import hashlib
 import hmac
 import itertools
 import logging
@@ -30,6 +29,7 @@ from kvkeep.server import protocol as p
 from kvkeep.server.namespaces import NamespaceRegistry
 from kvkeep.store.base import NullTier, StoreKey, Tier
 from kvkeep.store.disk import DiskConfig, DiskTier
+from kvkeep.store.keyformat import NamespaceDigest, namespace_digest, store_keys
 from kvkeep.store.memory import ArenaConfig, ArenaTier, Pinned, slot_bytes_for
 from kvkeep.store.remote import RemoteConfig, RemoteTier, WritePolicy
 from kvkeep.store.tiered import ReserveStatus, TieredStore, WriteBehindConfig
@@ -66,18 +66,9 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class _Namespace:
-    digest: bytes  # the store's namespace: the client's digest and block_bytes together
+    digest: NamespaceDigest  # the client's digest and block_bytes together
     block_bytes: int
     label: str
-
-
-def store_digest(digest: bytes, block_bytes: int) -> bytes:
-    """The namespace blocks are stored under. ``block_bytes`` is part of it so that a client
-    announcing a known digest with another block size can never be handed blocks of the
-    wrong length: it simply has none."""
-    return hashlib.sha256(
-        b"kvkeep/store-ns\0" + digest + block_bytes.to_bytes(8, "little")
-    ).digest()
 
 
 @dataclass
@@ -280,7 +271,7 @@ class CacheServer:
                 f"blocks of {block_bytes} bytes do not fit this server (max {max_block}); "
                 "restart it with more --ram",
             )
-        ns = _Namespace(store_digest(digest, block_bytes), block_bytes, label)
+        ns = _Namespace(namespace_digest(digest, block_bytes), block_bytes, label)
         if ns not in conn.namespaces:
             if len(conn.namespaces) >= MAX_NAMESPACES_PER_CONNECTION:
                 raise p.ProtocolError(
@@ -308,8 +299,7 @@ class CacheServer:
 
     def _keys(self, conn: _Connection, args: dict[str, Any]) -> tuple[_Namespace, list[StoreKey]]:
         ns = self._namespace(conn, args)
-        digest = ns.digest  # arg_keys checked every key is 32 bytes: plain concatenation
-        return ns, [StoreKey(digest + k) for k in p.arg_keys(args)]
+        return ns, store_keys(ns.digest, p.arg_keys(args))  # arg_keys checked their length
 
     async def _lookup(self, conn: _Connection, args: dict[str, Any]) -> dict[str, Any]:
         """On the loop thread, unless a tier may ask the network (then in the I/O pool, so a
