@@ -1,3 +1,5 @@
+"""Arenas in /dev/shm, removed after each test and checked for consistent accounting."""
+
 from __future__ import annotations
 
 import os
@@ -24,3 +26,5 @@ def make_arena() -> Iterator[object]:
     for arena in made:
         if Path(arena.arena.path).exists():
             arena.close()
+    for arena in made:  # every test, faults included, leaves the accounting consistent
+        assert arena.check_integrity() == []

@@ -21,7 +21,7 @@ BLOCK = 16 * KiB
 def commit(store: TieredStore, i: int) -> None:
     reservation = store.reserve(key(i), BLOCK)
     assert reservation.status is ReserveStatus.RESERVED
-    store.ram.view(reservation.offset, BLOCK)[:] = payload(i, BLOCK)
+    store.view(reservation.offset, BLOCK)[:] = payload(i, BLOCK)
     assert store.commit(reservation.offset, crc(i, BLOCK))
 
 
@@ -40,7 +40,7 @@ def test_lookup_prefix_promotion_and_write_through(make_arena: Any, tmp_path: Pa
     assert store.reserve(key(0), BLOCK).status is ReserveStatus.PRESENT
     pinned = store.acquire(key(0), BLOCK)
     assert pinned is not None and pinned.checksum == crc(0, BLOCK)
-    assert bytes(store.ram.view(pinned.offset, BLOCK)) == payload(0, BLOCK)
+    assert bytes(store.view(pinned.offset, BLOCK)) == payload(0, BLOCK)
     store.release(pinned.offset)
     assert store.lookup([key(0)]).tiers == (0,), "a load promotes the block to RAM"
     assert store.acquire(key(99), BLOCK) is None
@@ -105,7 +105,7 @@ def test_bytes_changed_in_ram_after_commit_are_not_written_through(make_arena: A
     assert store.stats()["pending_writes"] == 3
     offset = store.acquire(key(1), BLOCK)
     assert offset is not None
-    store.ram.view(offset.offset, BLOCK)[7] ^= 0xFF
+    store.view(offset.offset, BLOCK)[7] ^= 0xFF
     store.release(offset.offset)
     slow.gate.set()
     store.flush()

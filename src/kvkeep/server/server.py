@@ -12,14 +12,12 @@ import asyncio
 import contextlib
 import fcntl
 import hmac
-import itertools
 import logging
 import os
 import secrets
 import signal
 import socket
 import threading
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,9 +28,9 @@ from kvkeep.server.namespaces import NamespaceRegistry
 from kvkeep.store.base import NullTier, StoreKey, Tier
 from kvkeep.store.disk import DiskConfig, DiskTier
 from kvkeep.store.keyformat import NamespaceDigest, namespace_digest, store_keys
-from kvkeep.store.memory import ArenaConfig, ArenaTier, Pinned, slot_bytes_for
+from kvkeep.store.memory import ArenaConfig, ArenaTier, Holder, slot_bytes_for
 from kvkeep.store.remote import RemoteConfig, RemoteTier, WritePolicy
-from kvkeep.store.tiered import ReserveStatus, TieredStore, WriteBehindConfig
+from kvkeep.store.tiered import TieredStore, WriteBehindConfig
 
 log = logging.getLogger("kvkeep.server")
 
@@ -73,10 +71,12 @@ class _Namespace:
 
 @dataclass
 class _Connection:
+    """What one client connection owns: its namespaces, and (through ``holder``) its
+    reservations and pins in the store."""
+
     authenticated: bool
+    holder: Holder
     namespaces: list[_Namespace] = field(default_factory=list)
-    reservations: dict[int, StoreKey] = field(default_factory=dict)
-    pins: Counter[int] = field(default_factory=Counter)
 
 
 class CacheServer:
@@ -92,7 +92,7 @@ class CacheServer:
         self._io_pool = ThreadPoolExecutor(4, thread_name_prefix="kvkeep-io")
         self.namespaces = NamespaceRegistry(
             Path(config.directory) / "namespaces.json",
-            getattr(self.store.lower[0], "namespace_blocks", Counter),
+            self.store.namespace_blocks,
         )
         self._stop = asyncio.Event()
 
@@ -121,7 +121,7 @@ class CacheServer:
 
     def _prefault(self) -> None:
         try:
-            self.store.ram.arena.prefault()
+            self.store.prefault()
         except OSError as exc:
             log.warning("could not allocate the arena up front (%s): is /dev/shm big enough?", exc)
 
@@ -179,13 +179,13 @@ class CacheServer:
     async def _unix_client(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        await self._serve(reader, writer, _Connection(authenticated=True))
+        await self._serve(reader, writer, _Connection(True, self.store.holder()))
 
     async def _tcp_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sock = writer.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        await self._serve(reader, writer, _Connection(authenticated=False))
+        await self._serve(reader, writer, _Connection(False, self.store.holder()))
 
     async def _serve(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: _Connection
@@ -200,7 +200,7 @@ class CacheServer:
             log.exception("closing a connection after an unexpected error")
         finally:
             self.connections -= 1
-            self._forget(conn)
+            self.store.drop(conn.holder)
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
@@ -224,13 +224,6 @@ class CacheServer:
         writer.write(p.frame(reply))
         await writer.drain()
         return True
-
-    def _forget(self, conn: _Connection) -> None:
-        for offset in conn.reservations:
-            self.store.ram.abort(offset)
-        for offset, count in conn.pins.items():
-            for _ in range(count):
-                self.store.release(offset)
 
     # --- operations ------------------------------------------------------------------------
 
@@ -264,7 +257,8 @@ class CacheServer:
         block_bytes = p.arg_int(args, "block_bytes")
         label = args.get("label", "")
         label = label[:200] if isinstance(label, str) else ""
-        max_block = self.store.ram.config.extent_bytes
+        arena = self.store.arena
+        max_block = arena.max_block_bytes
         if not 0 < slot_bytes_for(block_bytes) <= max_block:
             raise p.ProtocolError(
                 p.ErrorCode.BLOCK_TOO_LARGE,
@@ -283,8 +277,8 @@ class CacheServer:
         return {
             "ns": conn.namespaces.index(ns),
             "instance": self.instance,
-            "arena_path": self.store.ram.arena.path,
-            "arena_bytes": self.store.ram.arena.size,
+            "arena_path": arena.path,
+            "arena_bytes": arena.size,
             "tiers": [t.name for t in self.store.tiers],
             "max_block_bytes": max_block,
         }
@@ -314,15 +308,8 @@ class CacheServer:
 
     def _reserve(self, conn: _Connection, args: dict[str, Any]) -> dict[str, Any]:
         ns, keys = self._keys(conn, args)
-        slots = []
-        for index, key in enumerate(keys):
-            reservation = self.store.reserve(key, ns.block_bytes)
-            if reservation.status is ReserveStatus.FULL:
-                break
-            if reservation.status is ReserveStatus.RESERVED:
-                conn.reservations[reservation.offset] = key
-                slots.append([index, reservation.offset])
-        return {"slots": slots}
+        reserved = self.store.reserve_missing(keys, ns.block_bytes, conn.holder)
+        return {"slots": [[r.key_index, r.offset] for r in reserved]}
 
     def _commit(self, conn: _Connection, args: dict[str, Any]) -> dict[str, Any]:
         self._namespace(conn, args)
@@ -331,38 +318,21 @@ class CacheServer:
         if any(crc >= CRC_LIMIT for _, crc in rows):
             raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "a checksum is a CRC-32: < 2**32")
         for offset, crc in rows:
-            if conn.reservations.pop(offset, None) is not None:
-                committed += self.store.commit(offset, crc)
+            committed += self.store.commit(offset, crc, conn.holder)
         return {"committed": committed}
 
     async def _acquire(self, conn: _Connection, args: dict[str, Any]) -> dict[str, Any]:
+        """RAM hits are pinned on the loop thread; the rest, if a lower tier holds the next
+        key, in the I/O pool (so a slow disk delays only this request)."""
         ns, keys = self._keys(conn, args)
-        slots: list[list[int]] = []
-        for key in keys:  # fast path: RAM hits on the loop thread
-            pinned = self.store.ram.pin(key)
-            if pinned is None:
-                break
-            conn.pins[pinned.offset] += 1
-            slots.append([pinned.offset, pinned.checksum])
-        rest = keys[len(slots) :]
+        pinned = self.store.acquire_resident(keys, conn.holder)
+        rest = keys[len(pinned) :]
         if rest and self.store.held_below(rest[0]):
-            for hit in await self._promote(rest, ns.block_bytes):
-                conn.pins[hit.offset] += 1
-                slots.append([hit.offset, hit.checksum])
-        return {"slots": slots}
-
-    async def _promote(self, keys: list[StoreKey], block_bytes: int) -> list[Pinned]:
-        """Pin the leading ``keys``, loading them from disk in parallel (several reads in
-        flight keep the disk queue full and overlap CRC checks with I/O)."""
-        loop = asyncio.get_running_loop()
-        hits = await asyncio.gather(
-            *(loop.run_in_executor(self._io_pool, self.store.acquire, k, block_bytes) for k in keys)
-        )
-        leading = list(itertools.takewhile(lambda hit: hit is not None, hits))
-        for hit in hits[len(leading) :]:
-            if hit is not None:  # loaded past the first miss: promoted but not handed out
-                self.store.release(hit.offset)
-        return [hit for hit in leading if hit is not None]
+            loop = asyncio.get_running_loop()
+            pinned += await loop.run_in_executor(
+                self._io_pool, self.store.acquire_below, rest, ns.block_bytes, conn.holder
+            )
+        return {"slots": [[hit.offset, hit.checksum] for hit in pinned]}
 
     def _release(self, conn: _Connection, args: dict[str, Any]) -> dict[str, Any]:
         """Unpin or abandon ``slots``. ``corrupt`` (optional) names pinned slots whose bytes
@@ -371,13 +341,9 @@ class CacheServer:
         (otherwise it would stay a miss for good: a save skips keys already held)."""
         corrupt = p.arg_int_list(args, "corrupt", 1) if "corrupt" in args else []
         for offset in p.arg_int_list(args, "slots", 1):
-            if conn.reservations.pop(offset, None) is not None:
-                self.store.ram.abort(offset)
-            elif conn.pins[offset] > 0:
-                conn.pins[offset] -= 1
-                self.store.release(offset)
+            self.store.release(offset, conn.holder)
         for offset in corrupt:
-            if self.store.ram.discard_corrupt(offset):
+            if self.store.discard_corrupt(offset):
                 log.warning("dropped a block whose bytes in RAM failed a client's checksum")
         return {}
 
@@ -385,13 +351,7 @@ class CacheServer:
         return self.stats()
 
     def stats(self) -> dict[str, Any]:
-        disk = self.store.lower[0]
-        return {
-            **self.store.stats(),
-            "instance": self.instance,
-            "connections": self.connections,
-            "rebuild_s": getattr(disk, "rebuild_seconds", 0.0),
-        }
+        return {**self.store.stats(), "instance": self.instance, "connections": self.connections}
 
 
 def _lock_directory(directory: Path) -> int:
