@@ -113,3 +113,29 @@ def test_bytes_changed_in_ram_after_commit_are_not_written_through(make_arena: A
     stats = store.stats()
     assert stats["corrupt_writes"] == 1 and stats["pending_writes"] == 0
     store.close()
+
+
+def test_a_holder_pins_the_leading_prefix_and_drop_frees_it(
+    make_arena: Any, tmp_path: Path
+) -> None:
+    disk = DiskTier(DiskConfig(str(tmp_path), 64 * EXTENT, segment_bytes=4 * EXTENT))
+    store = TieredStore(make_arena(2 * EXTENT, EXTENT), [disk], WriteBehindConfig(64))
+    for i in range(10):  # RAM holds 8: blocks 0 and 1 live on disk only
+        commit(store, i)
+        store.flush()
+    holder = store.holder()
+    resident = store.acquire_resident([key(i) for i in (2, 3, 0)], holder)
+    assert [bytes(store.view(p.offset, BLOCK)) for p in resident] == [
+        payload(i, BLOCK) for i in (2, 3)
+    ], "RAM hits up to the first block RAM lacks"
+    below = store.acquire_below([key(i) for i in (0, 1, 99, 5)], BLOCK, holder)
+    assert [bytes(store.view(p.offset, BLOCK)) for p in below] == [
+        payload(i, BLOCK) for i in (0, 1)
+    ], "promoted from disk up to the first miss"
+    assert store.check_integrity() == []
+    store.drop(holder)  # its connection went away
+    writer = store.holder()
+    reserved = store.reserve_missing([key(i) for i in range(100, 108)], BLOCK, writer)
+    assert len(reserved) == 8, "every slot can be reused: the holder left nothing pinned"
+    store.drop(writer)
+    store.close()
