@@ -9,7 +9,7 @@ import msgpack
 import pytest
 
 from kvkeep.server import protocol as p
-from kvkeep.store.memory import Offset
+from kvkeep.store.slots import Offset
 
 KEYS = (b"a" * 32, b"b" * 32)
 O1, O2 = Offset(64), Offset(128)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvkeep.store.memory import ArenaConfig, ArenaTier
+from kvkeep.store.memory import ArenaTier
+from kvkeep.store.slots import ArenaConfig
 
 
 @pytest.fixture

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvkeep.store.memory import ArenaTier, Holder, Offset
+from kvkeep.store.memory import ArenaTier
+from kvkeep.store.slots import Holder, Offset
 
 from .helpers import crc, key, payload
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from kvkeep.keys import BlockKey, Namespace
 from kvkeep.server import protocol as p
-from kvkeep.store.memory import Offset
+from kvkeep.store.slots import Offset
 
 
 class CacheUnavailable(Exception):

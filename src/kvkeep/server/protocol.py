@@ -50,7 +50,7 @@ from typing import Any, ClassVar, NamedTuple, Self, get_args
 
 import msgpack
 
-from kvkeep.store.memory import Offset
+from kvkeep.store.slots import Offset
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 8 << 20

@@ -34,8 +34,9 @@ from kvkeep.server.namespaces import NamespaceRegistry
 from kvkeep.store.base import NullTier, StoreKey, Tier
 from kvkeep.store.disk import DiskConfig, DiskTier
 from kvkeep.store.keyformat import NamespaceDigest, namespace_digest, store_keys
-from kvkeep.store.memory import ArenaConfig, ArenaTier, Holder, slot_bytes_for
+from kvkeep.store.memory import ArenaTier
 from kvkeep.store.remote import RemoteConfig, RemoteTier, WritePolicy
+from kvkeep.store.slots import ArenaConfig, Holder, slot_bytes_for
 from kvkeep.store.tiered import TieredStore, WriteBehindConfig
 
 log = logging.getLogger("kvkeep.server")

@@ -27,66 +27,19 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import NamedTuple, NewType
 
 from kvkeep.store.base import Found, StoreKey, TierCounters, TierStats, checksum
 from kvkeep.store.policy import LruPolicy
 from kvkeep.store.shm import SharedArena
-
-SLOT_ALIGN = 64
-DEFAULT_EXTENT_BYTES = 64 << 20
-
-Offset = NewType("Offset", int)
-"""A slot's byte offset in the arena: what clients map, and what names a slot everywhere."""
-
-Holder = NewType("Holder", int)
-"""Who holds a pin or a reservation: a server connection, or ``INTERNAL``."""
-
-INTERNAL = Holder(0)
-"""The store's own pins and reservations (write-behind, promotion, ``get``/``put``)."""
-
-
-@dataclass(frozen=True)
-class ArenaConfig:
-    """Where and how big the arena is. ``extent_bytes`` bounds the largest block it holds."""
-
-    size_bytes: int
-    extent_bytes: int = DEFAULT_EXTENT_BYTES
-    shm_dir: str = "/dev/shm"
-
-    def __post_init__(self) -> None:
-        if self.extent_bytes <= 0 or self.extent_bytes % 4096:
-            raise ValueError(
-                f"extent_bytes must be a positive multiple of 4096: {self.extent_bytes}"
-            )
-        if self.size_bytes < self.extent_bytes:
-            raise ValueError(
-                f"RAM size {self.size_bytes} is below one extent ({self.extent_bytes} bytes); "
-                "give more RAM or a smaller extent"
-            )
-
-    @property
-    def num_extents(self) -> int:
-        return self.size_bytes // self.extent_bytes
-
-
-def slot_bytes_for(block_bytes: int) -> int:
-    """The slot size class of a block: its length rounded up to 64 bytes."""
-    return -(-block_bytes // SLOT_ALIGN) * SLOT_ALIGN
-
-
-class Pinned(NamedTuple):
-    """A committed slot pinned for reading: unpin it with ``ArenaTier.unpin(offset, holder)``."""
-
-    offset: Offset
-    length: int
-    checksum: int
-
-
-class SlotInfo(NamedTuple):
-    key: StoreKey
-    length: int
-    checksum: int
+from kvkeep.store.slots import (
+    INTERNAL,
+    ArenaConfig,
+    Holder,
+    Offset,
+    Pinned,
+    SlotInfo,
+    slot_bytes_for,
+)
 
 
 @dataclass
@@ -432,10 +385,14 @@ class ArenaTier:
     # --- integrity (lock held) -------------------------------------------------------------
 
     def _problems(self) -> Iterator[str]:
+        live: dict[int, list[Offset]] = {}  # extent index -> its live slots, in one pass
+        for offset in self._slots:
+            live.setdefault(offset // self.config.extent_bytes, []).append(offset)
         yield from self._index_problems()
         yield from self._pin_problems()
-        yield from self._extent_problems()
-        yield from self._class_problems()
+        for extent in self._extents:
+            yield from self._extent_problems(extent, live.get(extent.index, []))
+        yield from self._class_problems(live)
         committed = sum(s.length for s in self._slots.values() if s.committed)
         if committed != self._bytes_used:
             yield f"bytes_used {self._bytes_used} != {committed} committed bytes"
@@ -462,26 +419,25 @@ class ArenaTier:
         if expected != self._held:
             yield f"holders' slots {self._held} != those the slots name {expected}"
 
-    def _extent_problems(self) -> Iterator[str]:
-        for extent in self._extents:
-            live, free = self._live(extent), extent.free
-            if extent.slot_bytes == 0:
-                if live or free:
-                    yield f"extent {extent.index}: free, yet has slots"
-                continue
-            base, size = self._base(extent), extent.slot_bytes
-            if len(set(free)) != len(free) or set(free) & set(live):
-                yield f"extent {extent.index}: free list repeats or holds a live slot"
-            if len(free) + len(live) != self.config.extent_bytes // size:
-                yield f"extent {extent.index}: {len(free)} free + {len(live)} live slots"
-            for offset in [*free, *live]:
-                if (offset - base) % size or not base <= offset < base + self.config.extent_bytes:
-                    yield f"extent {extent.index}: offset {offset} is not a slot boundary"
-            for offset in live:
-                if self._slots[offset].length > size:
-                    yield f"slot {offset}: {self._slots[offset].length} bytes in a {size} slot"
+    def _extent_problems(self, extent: _Extent, live: list[Offset]) -> Iterator[str]:
+        free = extent.free
+        if extent.slot_bytes == 0:
+            if live or free:
+                yield f"extent {extent.index}: free, yet has slots"
+            return
+        base, size = self._base(extent), extent.slot_bytes
+        if len(set(free)) != len(free) or set(free) & set(live):
+            yield f"extent {extent.index}: free list repeats or holds a live slot"
+        if len(free) + len(live) != self.config.extent_bytes // size:
+            yield f"extent {extent.index}: {len(free)} free + {len(live)} live slots"
+        for offset in [*free, *live]:
+            if (offset - base) % size or offset // self.config.extent_bytes != extent.index:
+                yield f"extent {extent.index}: offset {offset} is not a slot boundary"
+        for offset in live:
+            if self._slots[offset].length > size:
+                yield f"slot {offset}: {self._slots[offset].length} bytes in a {size} slot"
 
-    def _class_problems(self) -> Iterator[str]:
+    def _class_problems(self, live: dict[int, list[Offset]]) -> Iterator[str]:
         carved = {e.index for e in self._extents if e.slot_bytes}
         owned = [e.index for c in self._classes.values() for e in c.extents]
         if sorted(owned) != sorted(carved):
@@ -489,7 +445,8 @@ class ArenaTier:
         for cls in self._classes.values():
             if any(e.slot_bytes != cls.slot_bytes for e in cls.extents):
                 yield f"class {cls.slot_bytes}: owns an extent of another size"
-            in_class = {o for e in cls.extents for o in self._live(e) if self._slots[o].committed}
+            slots = [o for e in cls.extents for o in live.get(e.index, [])]
+            committed = {o for o in slots if self._slots[o].committed}
             lru = list(cls.lru.victims())
-            if len(lru) != len(set(lru)) or set(lru) != in_class:
+            if len(lru) != len(set(lru)) or set(lru) != committed:
                 yield f"class {cls.slot_bytes}: LRU != its committed slots"

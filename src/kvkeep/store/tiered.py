@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvkeep.store.base import StoreKey, Tier, checksum
-from kvkeep.store.memory import INTERNAL, ArenaTier, Holder, Offset, Pinned
+from kvkeep.store.memory import ArenaTier
+from kvkeep.store.slots import INTERNAL, Holder, Offset, Pinned
 
 log = logging.getLogger("kvkeep.store")
 
