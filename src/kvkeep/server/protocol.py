@@ -34,9 +34,15 @@ is the CRC-32 of a block's bytes (< 2**32). Every int is non-negative::
             unpins acquired slots and aborts reserved ones (others are ignored); ``corrupt``
             names acquired slots whose bytes failed the client's checksum: the server checks
             each again and drops it if its bytes are bad and nobody else pins it
-    STATS   {integrity: bool (optional)}  -> {the server's stats map}
-            with ``integrity`` true the map also holds ``integrity: [str]``, every
-            inconsistency ``ArenaTier.check_integrity`` finds (O(slots): for tests)
+    STATS   {integrity: bool (optional)}
+            -> {tiers: {name: {hits, misses, bytes_in, bytes_out, evictions,
+                               checksum_failures, rejected_puts, write_errors, errors,
+                               dropped_puts, blocks, bytes_used, capacity_bytes: int}},
+                dropped_writes, write_errors, corrupt_writes, queue_depth,
+                pending_writes: int (write-behind), rebuild_s: float (disk index rebuild),
+                instance: str, connections: int,
+                integrity: [str] (only when asked: every inconsistency
+                           ``ArenaTier.check_integrity`` finds; O(slots), for tests)}
 
 A connection's reservations are aborted and its pins dropped when it closes.
 """
