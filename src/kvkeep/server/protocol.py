@@ -251,7 +251,7 @@ def _strs(args: dict[str, Any], name: str) -> tuple[str, ...]:
 
 
 def _offsets(args: dict[str, Any], name: str) -> tuple[Offset, ...]:
-    return tuple(Offset(o) for o in arg_int_list(args, name, 1))
+    return tuple(arg_int_list(args, name, 1))  # checked ints: Offset is int at run time
 
 
 def _announced(args: dict[str, Any], announced: int) -> int:
@@ -268,8 +268,11 @@ def _announced(args: dict[str, Any], announced: int) -> int:
 # A message's fields are its wire map, in the order version 1 has always sent them (so frames
 # stay byte-identical; tuples and NamedTuples pack as arrays). Requests decode with
 # ``decode(args, announced)``, where ``announced`` counts the namespaces this connection has
-# announced, so an unknown ``ns`` is refused before anything else is checked; replies decode
-# with ``decode(result)``. Both raise ProtocolError on a map of the wrong shape.
+# announced, so an unknown ``ns`` is refused before anything else is checked, and raise
+# ProtocolError on anything malformed. Replies (from the server) decode with
+# ``decode(result)``, checking only their shape on the hot paths: a malformed one raises
+# ProtocolError, KeyError, TypeError or ValueError, which the client turns into
+# CacheUnavailable.
 
 
 class _Message:
@@ -360,7 +363,7 @@ class LookupReply(_Message):
 
     @classmethod
     def decode(cls, result: dict[str, Any]) -> Self:
-        return cls(arg_int(result, "num_present"), tuple(arg_int_list(result, "tiers", 1)))
+        return cls(int(result["num_present"]), tuple(result["tiers"]))
 
 
 @dataclass(frozen=True)
@@ -379,8 +382,7 @@ class ReserveReply(_Message):
 
     @classmethod
     def decode(cls, result: dict[str, Any]) -> Self:
-        rows = arg_int_list(result, "slots", 2)
-        return cls(tuple(ReservedSlot(i, Offset(o)) for i, o in rows))
+        return cls(tuple(map(ReservedSlot._make, result["slots"])))
 
 
 class ChecksummedSlot(NamedTuple):
@@ -427,7 +429,7 @@ class AcquireReply(_Message):
 
     @classmethod
     def decode(cls, result: dict[str, Any]) -> Self:
-        return cls(_checksummed(result))
+        return cls(tuple(map(ChecksummedSlot._make, result["slots"])))
 
 
 @dataclass(frozen=True)

@@ -172,8 +172,12 @@ class ArenaTier:
         A no-op for a slot ``holder`` neither reserved nor pinned."""
         with self._lock:
             slot = self._slots.get(offset)
-            if slot is not None and not self._abort(offset, holder):
+            if slot is None:
+                return
+            if slot.committed:
                 self._unpin(slot, offset, holder)
+            elif slot.owner == holder:
+                self._free(offset)
 
     def drop_holder(self, holder: Holder) -> None:
         """Abort every reservation and drop every pin of ``holder`` (its connection is gone)."""
@@ -274,8 +278,12 @@ class ArenaTier:
     # --- pins and reservations (lock held) -------------------------------------------------
 
     def _pin(self, slot: _Slot, offset: Offset, holder: Holder) -> None:
+        # Hot path (ACQUIRE of 1,000-block prompts): no set built unless the holder is new.
         slot.pins[holder] = slot.pins.get(holder, 0) + 1
-        self._held.setdefault(holder, set()).add(offset)
+        held = self._held.get(holder)
+        if held is None:
+            held = self._held[holder] = set()
+        held.add(offset)
 
     def _unpin(self, slot: _Slot, offset: Offset, holder: Holder) -> bool:
         count = slot.pins.get(holder, 0)
