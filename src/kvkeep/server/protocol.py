@@ -236,22 +236,17 @@ def _wire_uint(value: Any) -> bool:
     return type(value) is int and 0 <= value <= MAX_WIRE_INT
 
 
-def arg_str(args: dict[str, Any], name: str) -> str:
-    value = args.get(name)
-    if not isinstance(value, str):
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{name} must be a string")
-    return value
-
-
-def _strs(args: dict[str, Any], name: str) -> tuple[str, ...]:
-    items = args.get(name)
-    if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{name} must be a list of strings")
-    return tuple(items)
-
-
 def _offsets(args: dict[str, Any], name: str) -> tuple[Offset, ...]:
     return tuple(arg_int_list(args, name, 1))  # checked ints: Offset is int at run time
+
+
+def _uint_pairs(rows: list[Any]) -> list[Any]:
+    """``rows`` if its pairs are non-negative ints (the client maps the offsets it reads
+    here, so this much is checked even on the hot path); else ProtocolError, or ValueError
+    or TypeError for rows that are not pairs."""
+    if not all(type(a) is int and type(b) is int and a >= 0 and b >= 0 for a, b in rows):
+        raise ProtocolError(ErrorCode.MALFORMED, "slot rows must be pairs of non-negative ints")
+    return rows
 
 
 def _announced(args: dict[str, Any], announced: int) -> int:
@@ -328,12 +323,12 @@ class HelloReply(_Message):
     @classmethod
     def decode(cls, result: dict[str, Any]) -> Self:
         return cls(
-            arg_int(result, "ns"),
-            arg_str(result, "instance"),
-            arg_str(result, "arena_path"),
-            arg_int(result, "arena_bytes"),
-            _strs(result, "tiers"),
-            arg_int(result, "max_block_bytes"),
+            int(result["ns"]),
+            str(result["instance"]),
+            str(result["arena_path"]),
+            int(result["arena_bytes"]),
+            tuple(map(str, result["tiers"])),
+            int(result["max_block_bytes"]),
         )
 
 
@@ -382,7 +377,7 @@ class ReserveReply(_Message):
 
     @classmethod
     def decode(cls, result: dict[str, Any]) -> Self:
-        return cls(tuple(map(ReservedSlot._make, result["slots"])))
+        return cls(tuple(map(ReservedSlot._make, _uint_pairs(result["slots"]))))
 
 
 class ChecksummedSlot(NamedTuple):
@@ -429,7 +424,7 @@ class AcquireReply(_Message):
 
     @classmethod
     def decode(cls, result: dict[str, Any]) -> Self:
-        return cls(tuple(map(ChecksummedSlot._make, result["slots"])))
+        return cls(tuple(map(ChecksummedSlot._make, _uint_pairs(result["slots"]))))
 
 
 @dataclass(frozen=True)
