@@ -1,7 +1,8 @@
 """A real `kvkeep server` process on one state directory, for the server and fault tests.
 
 Started, terminated (SIGTERM), killed (SIGKILL, resuming it first if stopped) and measured by
-PID; a killed server's arena is removed from /dev/shm.
+PID; a killed server's arena is removed from /dev/shm. ``stop_all`` is the fixtures' teardown:
+it asks every running server for its arena integrity check before killing it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+
+from kvkeep.server.client import KVKeepClient
 
 
 @dataclass
@@ -70,6 +73,19 @@ class Server:
         if marker.exists():
             Path(marker.read_text().strip()).unlink(missing_ok=True)
 
+    def check_integrity(self) -> list[str]:
+        """The problems the running server's arena accounting check finds (``[]``: sound),
+        asked over its Unix socket (resuming it first if stopped). ``[]`` if it is not running."""
+        if not self.alive():
+            return []
+        os.kill(self.pid, signal.SIGCONT)
+        client = KVKeepClient(self.socket, timeout_s=10)
+        try:
+            problems: list[str] = client.stats(integrity=True)["integrity"]
+            return problems
+        finally:
+            client.close()
+
     def rss(self) -> int:
         """Private (non-shared) resident bytes: the arena's shared pages are not counted."""
         info = psutil.Process(self.pid).memory_info()
@@ -77,3 +93,13 @@ class Server:
 
     def log_text(self) -> str:
         return "".join(p.read_text(errors="replace") for p in self.logs if p.exists())
+
+
+def stop_all(servers: list[Server]) -> None:
+    """Kill every server; fail if a running one's arena accounting was inconsistent."""
+    try:
+        problems = {str(s.directory): s.check_integrity() for s in servers}
+    finally:
+        for server in servers:
+            server.kill()
+    assert not any(problems.values()), f"arena accounting inconsistent: {problems}"

@@ -153,3 +153,14 @@ def drop(client: KVKeepClient, ns: StoredNamespace, keys: list[BlockKey]) -> boo
     left = client.acquire(ns.session(), keys)
     client.release(left)
     return not left
+
+
+def arena_problems(socket_path: str) -> list[str]:
+    """The cache server's arena accounting check (STATS with integrity); [] when sound. Run
+    it after vLLM has stopped, so no engine holds pins while it is read."""
+    client = KVKeepClient(socket_path=socket_path, timeout_s=10.0)
+    try:
+        problems: list[str] = client.stats(integrity=True)["integrity"]
+        return problems
+    finally:
+        client.close()

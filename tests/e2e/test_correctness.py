@@ -37,6 +37,7 @@ from kvkeep.server.client import KVKeepClient
 from .engine import (
     BLOCK,
     StoredNamespace,
+    arena_problems,
     complete,
     corrupt_stored,
     plant_wrong_block,
@@ -141,6 +142,8 @@ def rig(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     try:
         rig.vllm.start()
         yield rig
+        rig.vllm.stop()
+        assert arena_problems(cache.cfg.socket_path) == []
     finally:
         rig.vllm.stop()
         proxy.close()

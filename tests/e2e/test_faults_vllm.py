@@ -41,7 +41,7 @@ from kvkeep.serve import CacheServerConfig, CacheServerProcess
 from kvkeep.server.client import KVKeepClient
 from kvkeep.store.disk import read_index
 
-from .engine import Reference, Served, complete, reference
+from .engine import Reference, Served, arena_problems, complete, reference
 
 pytestmark = pytest.mark.e2e
 
@@ -164,6 +164,10 @@ def rig(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     try:
         rig.vllm.start()
         yield rig
+        rig.vllm.stop()
+        if rig.cache.pid is not None:
+            os.kill(rig.cache.pid, signal.SIGCONT)
+        assert arena_problems(rig.cache.cfg.socket_path) == []
     finally:
         rig.vllm.stop()  # the current one: a test may have replaced it
         if cache.pid is not None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from serverproc import Server
+from serverproc import Server, stop_all
 
 MakeServer = Callable[..., Server]
 
@@ -29,8 +29,7 @@ def make_server(tmp_path: Path) -> Iterator[MakeServer]:
         return server
 
     yield make
-    for server in servers:
-        server.kill()
+    stop_all(servers)  # checks each running server's arena accounting first
 
 
 SMALL = ("--ram", "8MiB", "--disk", "32MiB", "--extent", "1MiB")

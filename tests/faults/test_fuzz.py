@@ -77,6 +77,7 @@ def test_codec_raises_only_protocol_errors(data: bytes) -> None:
         p.arg_keys,
         lambda a: p.arg_int_list(a, "slots", 2),
         lambda a: p.arg_int(a, "ns"),
+        lambda a: p.decode_message(p.Request(request.id, request.op, a), announced=2),
     ):
         with contextlib.suppress(p.ProtocolError):
             check(request.args)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from serverproc import Server
+from serverproc import Server, stop_all
 
 
 @pytest.fixture
@@ -22,8 +22,7 @@ def server_factory(tmp_path: Path) -> Iterator[object]:
         return server
 
     yield make
-    for server in servers:
-        server.kill()
+    stop_all(servers)  # checks each running server's arena accounting first
 
 
 @pytest.fixture

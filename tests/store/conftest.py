@@ -1,3 +1,5 @@
+"""Arenas in /dev/shm, removed after each test and checked for consistent accounting."""
+
 from __future__ import annotations
 
 import os
@@ -7,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvkeep.store.memory import ArenaConfig, ArenaTier
+from kvkeep.store.memory import ArenaTier
+from kvkeep.store.slots import ArenaConfig
 
 
 @pytest.fixture
@@ -24,3 +27,5 @@ def make_arena() -> Iterator[object]:
     for arena in made:
         if Path(arena.arena.path).exists():
             arena.close()
+    for arena in made:  # every test, faults included, leaves the accounting consistent
+        assert arena.check_integrity() == []

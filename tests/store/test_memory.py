@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvkeep.store.memory import ArenaTier
+from kvkeep.store.slots import Holder, Offset
 
 from .helpers import crc, key, payload
 
@@ -88,3 +89,46 @@ def test_size_classes_share_the_arena(make_arena: Any) -> None:
     survivors = [i for i in range(8) if arena.contains(key(i))]
     assert len(survivors) == 4
     assert not put(arena, 101, EXTENT + 1), "a block larger than an extent never fits"
+
+
+def test_pins_and_reservations_belong_to_their_holder(make_arena: Any) -> None:
+    arena = make_arena(EXTENT, EXTENT)
+    one, two = Holder(1), Holder(2)
+    offset = arena.reserve(key(1), 100, one)
+    assert offset is not None
+    assert not arena.commit(offset, crc(1, 100), two), "another holder cannot commit it"
+    assert not arena.abort(offset, two) and arena.holds(key(1))
+    assert arena.commit(offset, crc(1, 100), one)
+    assert arena.pin(key(1), one) and arena.pin(key(1), one) and arena.pin(key(1), two)
+    assert not arena.unpin(offset, Holder(3)), "no pin of its own to drop"
+    pending = arena.reserve(key(2), 100, one)
+    assert arena.check_integrity() == []
+    arena.drop_holder(one)  # its connection went away: two pins and a reservation
+    assert not arena.holds(key(2)) and pending is not None
+    assert not arena.evict(key(1)), "holder two still reads it"
+    assert arena.unpin(offset, two) and arena.evict(key(1))
+    assert arena.check_integrity() == []
+
+
+def test_check_integrity_names_what_disagrees(make_arena: Any) -> None:
+    arena = make_arena(EXTENT, EXTENT)
+    for i in range(3):
+        put(arena, i)
+    assert arena.check_integrity() == []
+    arena._bytes_used += 1
+    assert any("bytes_used" in p for p in arena.check_integrity())
+    arena._bytes_used -= 1
+    offset = next(iter(arena._slots))
+    arena._extents[0].free.append(offset)
+    assert any("free list" in p for p in arena.check_integrity())
+    arena._extents[0].free.pop()
+    arena._slots[offset].pins[Holder(7)] = 1
+    assert any("holders" in p for p in arena.check_integrity())
+    del arena._slots[offset].pins[Holder(7)]
+    arena._classes[16 * KiB].lru.remove(offset)
+    assert any("LRU" in p for p in arena.check_integrity())
+    arena._classes[16 * KiB].lru.add(offset)
+    del arena._index[arena._slots[Offset(offset)].key]
+    assert any("not indexed" in p for p in arena.check_integrity())
+    arena._index[arena._slots[Offset(offset)].key] = offset
+    assert arena.check_integrity() == []

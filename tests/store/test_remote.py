@@ -234,36 +234,39 @@ def test_server_side_lru_evicts_under_maxmemory(tmp_path: Path) -> None:
 # --- inside the tiered store --------------------------------------------------------------------
 
 
-def tiered(make_arena: Any, server: RedisProcess, policy: WritePolicy) -> TieredStore:
+def tiered(
+    make_arena: Any, server: RedisProcess, policy: WritePolicy
+) -> tuple[TieredStore, RemoteTier]:
     tier = remote(server, write_policy=policy, write_rate_bytes=0)
     on_evict = frozenset({"remote"}) if policy is WritePolicy.ON_EVICT else frozenset()
-    return TieredStore(make_arena(EXTENT, EXTENT), [tier], WriteBehindConfig(64, on_evict))
+    store = TieredStore(make_arena(EXTENT, EXTENT), [tier], WriteBehindConfig(64, on_evict))
+    return store, tier
 
 
 def commit(store: TieredStore, i: int) -> None:
     reservation = store.reserve(key(i), BLOCK)
     assert reservation.status is ReserveStatus.RESERVED
-    store.ram.view(reservation.offset, BLOCK)[:] = payload(i, BLOCK)
+    store.view(reservation.offset, BLOCK)[:] = payload(i, BLOCK)
     assert store.commit(reservation.offset, crc(i, BLOCK))
 
 
-def flush(store: TieredStore) -> None:
+def flush(store: TieredStore, tier: RemoteTier) -> None:
     store.flush()
-    assert store.lower[0].flush()  # type: ignore[attr-defined]
+    assert tier.flush()
 
 
 def test_block_written_by_one_store_is_a_remote_hit_for_another(
     make_arena: Any, redis_server: RedisProcess
 ) -> None:
-    a = tiered(make_arena, redis_server, WritePolicy.THROUGH)
-    b = tiered(make_arena, redis_server, WritePolicy.THROUGH)
+    a, a_remote = tiered(make_arena, redis_server, WritePolicy.THROUGH)
+    b, _ = tiered(make_arena, redis_server, WritePolicy.THROUGH)
     for i in range(3):
         commit(a, i)
-    flush(a)
+    flush(a, a_remote)
     commit(b, 0)  # B has block 0 in RAM itself
     assert b.lookup([key(0), key(1), key(2), key(7)]) == (3, (0, 1, 1))
     pinned = b.acquire(key(1), BLOCK)
-    assert pinned is not None and bytes(b.ram.view(pinned.offset, BLOCK)) == payload(1, BLOCK)
+    assert pinned is not None and bytes(b.view(pinned.offset, BLOCK)) == payload(1, BLOCK)
     b.release(pinned.offset)
     assert b.lookup([key(1)]).tiers == (0,), "a remote load is promoted into RAM"
     assert b.stats()["tiers"]["remote"]["hits"] == 1  # type: ignore[index]
@@ -271,14 +274,13 @@ def test_block_written_by_one_store_is_a_remote_hit_for_another(
 
 
 def test_lookup_asks_the_store_once_per_prompt(make_arena: Any, redis_server: RedisProcess) -> None:
-    store = tiered(make_arena, redis_server, WritePolicy.THROUGH)
-    tier: Any = store.lower[0]
+    store, tier = tiered(make_arena, redis_server, WritePolicy.THROUGH)
     calls: list[int] = []
     batch = tier.contains_many
-    tier.contains_many = lambda keys: calls.append(len(keys)) or batch(keys)
+    tier.contains_many = lambda keys: calls.append(len(keys)) or batch(keys)  # type: ignore[method-assign]
     for i in range(2):
         commit(store, i)
-    flush(store)
+    flush(store, tier)
     keys = [key(i) for i in range(100)]
     assert store.lookup(keys[:2]).num_present == 2 and calls == [], "RAM hits stay local"
     assert store.lookup(keys).num_present == 2
@@ -289,14 +291,14 @@ def test_lookup_asks_the_store_once_per_prompt(make_arena: Any, redis_server: Re
 def test_on_evict_policy_writes_only_blocks_leaving_ram(
     make_arena: Any, redis_server: RedisProcess
 ) -> None:
-    store = tiered(make_arena, redis_server, WritePolicy.ON_EVICT)
+    store, tier = tiered(make_arena, redis_server, WritePolicy.ON_EVICT)
     for i in range(4):  # RAM holds exactly 4 blocks: nothing leaves yet
         commit(store, i)
-    flush(store)
+    flush(store, tier)
     assert raw(redis_server).dbsize() == 0
     for i in range(4, 6):  # 0 and 1 are evicted (LRU) and go to the store
         commit(store, i)
-    flush(store)
+    flush(store, tier)
     assert store.lookup([key(i) for i in range(6)]) == (6, (1, 1, 0, 0, 0, 0))
     assert raw(redis_server).dbsize() == 2
     store.close()

@@ -21,7 +21,7 @@ BLOCK = 16 * KiB
 def commit(store: TieredStore, i: int) -> None:
     reservation = store.reserve(key(i), BLOCK)
     assert reservation.status is ReserveStatus.RESERVED
-    store.ram.view(reservation.offset, BLOCK)[:] = payload(i, BLOCK)
+    store.view(reservation.offset, BLOCK)[:] = payload(i, BLOCK)
     assert store.commit(reservation.offset, crc(i, BLOCK))
 
 
@@ -40,7 +40,7 @@ def test_lookup_prefix_promotion_and_write_through(make_arena: Any, tmp_path: Pa
     assert store.reserve(key(0), BLOCK).status is ReserveStatus.PRESENT
     pinned = store.acquire(key(0), BLOCK)
     assert pinned is not None and pinned.checksum == crc(0, BLOCK)
-    assert bytes(store.ram.view(pinned.offset, BLOCK)) == payload(0, BLOCK)
+    assert bytes(store.view(pinned.offset, BLOCK)) == payload(0, BLOCK)
     store.release(pinned.offset)
     assert store.lookup([key(0)]).tiers == (0,), "a load promotes the block to RAM"
     assert store.acquire(key(99), BLOCK) is None
@@ -105,11 +105,37 @@ def test_bytes_changed_in_ram_after_commit_are_not_written_through(make_arena: A
     assert store.stats()["pending_writes"] == 3
     offset = store.acquire(key(1), BLOCK)
     assert offset is not None
-    store.ram.view(offset.offset, BLOCK)[7] ^= 0xFF
+    store.view(offset.offset, BLOCK)[7] ^= 0xFF
     store.release(offset.offset)
     slow.gate.set()
     store.flush()
     assert sorted(slow.stored) == [key(0), key(2)]
     stats = store.stats()
     assert stats["corrupt_writes"] == 1 and stats["pending_writes"] == 0
+    store.close()
+
+
+def test_a_holder_pins_the_leading_prefix_and_drop_frees_it(
+    make_arena: Any, tmp_path: Path
+) -> None:
+    disk = DiskTier(DiskConfig(str(tmp_path), 64 * EXTENT, segment_bytes=4 * EXTENT))
+    store = TieredStore(make_arena(2 * EXTENT, EXTENT), [disk], WriteBehindConfig(64))
+    for i in range(10):  # RAM holds 8: blocks 0 and 1 live on disk only
+        commit(store, i)
+        store.flush()
+    holder = store.holder()
+    resident = store.acquire_resident([key(i) for i in (2, 3, 0)], holder)
+    assert [bytes(store.view(p.offset, BLOCK)) for p in resident] == [
+        payload(i, BLOCK) for i in (2, 3)
+    ], "RAM hits up to the first block RAM lacks"
+    below = store.acquire_below([key(i) for i in (0, 1, 99, 5)], BLOCK, holder)
+    assert [bytes(store.view(p.offset, BLOCK)) for p in below] == [
+        payload(i, BLOCK) for i in (0, 1)
+    ], "promoted from disk up to the first miss"
+    assert store.check_integrity() == []
+    store.drop(holder)  # its connection went away
+    writer = store.holder()
+    reserved = store.reserve_missing([key(i) for i in range(100, 108)], BLOCK, writer)
+    assert len(reserved) == 8, "every slot can be reused: the holder left nothing pinned"
+    store.drop(writer)
     store.close()

@@ -31,6 +31,7 @@ import numpy as np
 
 from kvkeep.keys import BlockKey, Namespace
 from kvkeep.server import protocol as p
+from kvkeep.store.slots import Offset
 
 
 class CacheUnavailable(Exception):
@@ -62,7 +63,7 @@ class SlotRef(NamedTuple):
     """An arena slot handed out by ``instance``: ``length`` bytes at ``offset``."""
 
     key: BlockKey
-    offset: int
+    offset: Offset
     length: int
     checksum: int
     instance: str
@@ -126,11 +127,11 @@ class KVKeepClient:
     def lookup(self, session: Session, keys: Sequence[BlockKey]) -> LookupResult:
         """How many leading ``keys`` are cached, and where. Refreshes the RAM hits' recency."""
         with self._op():
-            result = self._call_ns(session, p.Op.LOOKUP, {"keys": list(keys)})
+            reply = self._call_ns(session, lambda ns: p.LookupRequest(tuple(keys), ns))
             names = self._arena.tiers if self._arena else ()
             with self._parsing(p.Op.LOOKUP):
-                tiers = tuple(names[t] for t in result["tiers"])
-                return LookupResult(int(result["num_present"]), tiers)
+                found = p.LookupReply.decode(reply)
+                return LookupResult(found.num_present, tuple(names[t] for t in found.tiers))
 
     def reserve(self, session: Session, keys: Sequence[BlockKey]) -> list[SlotRef]:
         """Slots to write blocks into, for keys not stored yet (others are skipped).
@@ -139,9 +140,10 @@ class KVKeepClient:
         blocks. Write each slot's bytes with ``slot_view`` then ``commit`` (or ``release``).
         """
         with self._op():
-            result = self._call_ns(session, p.Op.RESERVE, {"keys": list(keys)})
+            reply = self._call_ns(session, lambda ns: p.ReserveRequest(tuple(keys), ns))
             with self._parsing(p.Op.RESERVE):
-                return [self._slot(keys[i], offset, session, 0) for i, offset in result["slots"]]
+                slots = p.ReserveReply.decode(reply).slots
+                return [self._slot(keys[s.key_index], s.offset, session, 0) for s in slots]
 
     def commit(
         self, session: Session, slots: Sequence[SlotRef], checksums: Sequence[int] | None = None
@@ -152,11 +154,11 @@ class KVKeepClient:
             if checksums is not None
             else [zlib.crc32(self._buffer(s)) for s in slots]
         )
-        rows = [[s.offset, c] for s, c in zip(slots, crcs, strict=True)]
+        rows = tuple(p.ChecksummedSlot(s.offset, c) for s, c in zip(slots, crcs, strict=True))
         with self._op():
-            result = self._call_ns(session, p.Op.COMMIT, {"slots": rows})
+            reply = self._call_ns(session, lambda ns: p.CommitRequest(rows, ns))
             with self._parsing(p.Op.COMMIT):
-                return int(result["committed"])
+                return p.CommitReply.decode(reply).committed
 
     def acquire(self, session: Session, keys: Sequence[BlockKey]) -> list[SlotRef]:
         """Pin the leading cached blocks for reading (promoted from disk if needed).
@@ -164,11 +166,12 @@ class KVKeepClient:
         Fewer slots than keys means the rest missed. Release every slot returned.
         """
         with self._op():
-            result = self._call_ns(session, p.Op.ACQUIRE, {"keys": list(keys)})
+            reply = self._call_ns(session, lambda ns: p.AcquireRequest(tuple(keys), ns))
             with self._parsing(p.Op.ACQUIRE):
+                slots = p.AcquireReply.decode(reply).slots
                 return [
-                    self._slot(k, o, session, c)
-                    for k, (o, c) in zip(keys, result["slots"], strict=False)
+                    self._slot(k, s.offset, session, s.crc)
+                    for k, s in zip(keys, slots, strict=False)
                 ]
 
     def release(self, slots: Sequence[SlotRef], corrupt: Sequence[SlotRef] = ()) -> None:
@@ -180,14 +183,14 @@ class KVKeepClient:
         with self._op():
             live = [s.offset for s in slots if self._arena and s.instance == self._arena.instance]
             if live and self._sock is not None:
-                args: dict[str, Any] = {"slots": live}
-                bad = [s.offset for s in corrupt if s.offset in live]
-                if bad:
-                    args["corrupt"] = bad
-                self._call(p.Op.RELEASE, args)
+                bad = tuple(s.offset for s in corrupt if s.offset in live)
+                self._call(p.ReleaseRequest(tuple(live), bad))
 
-    def stats(self) -> dict[str, Any]:
-        return self._retrying(lambda: self._call(p.Op.STATS, {}))
+    def stats(self, integrity: bool = False) -> dict[str, Any]:
+        """The server's stats map; with ``integrity``, also ``integrity``: the problems the
+        server's arena accounting check finds ([] when sound; O(slots), for tests)."""
+        reply = self._retrying(lambda: self._call(p.StatsRequest(integrity)))
+        return p.StatsReply.decode(reply).stats
 
     def slot_view(self, slot: SlotRef) -> np.ndarray:
         """A writable uint8 view of the slot's bytes in the shared arena (no copy)."""
@@ -210,47 +213,47 @@ class KVKeepClient:
 
     # --- plumbing ----------------------------------------------------------------------------
 
-    def _slot(self, key: BlockKey, offset: int, session: Session, crc: int) -> SlotRef:
+    def _slot(self, key: BlockKey, offset: Offset, session: Session, crc: int) -> SlotRef:
         assert self._arena is not None
         return SlotRef(key, offset, session.block_bytes, crc, self._arena.instance)
 
-    def _call_ns(self, session: Session, op: p.Op, args: dict[str, Any]) -> dict[str, Any]:
-        return self._retrying(lambda: self._call(op, {**args, "ns": self._ns_id(session)}))
+    def _call_ns(
+        self, session: Session, request: Callable[[int], p.RequestMessage]
+    ) -> dict[str, Any]:
+        """``request(ns)``'s reply, ``ns`` being the session's id on the connection used."""
+        return self._retrying(lambda: self._call(request(self._ns_id(session))))
 
     def _ns_id(self, session: Session) -> int:
         self._ensure_connected()
         if session not in self._ns_ids:
-            args = {
-                "namespace": session.digest,
-                "block_bytes": session.block_bytes,
-                "label": session.label,
-            }
-            reply = self._call(p.Op.HELLO, args)
+            request = p.HelloRequest(session.digest, session.block_bytes, session.label)
+            result = self._call(request)
             with self._parsing(p.Op.HELLO):
+                reply = p.HelloReply.decode(result)
                 self._map_arena(reply)
-                self._ns_ids[session] = int(reply["ns"])
+                self._ns_ids[session] = reply.ns
         return self._ns_ids[session]
 
-    def _map_arena(self, reply: dict[str, Any]) -> None:
-        if self._arena is not None and self._arena.instance == reply["instance"]:
+    def _map_arena(self, reply: p.HelloReply) -> None:
+        if self._arena is not None and self._arena.instance == reply.instance:
             return
         try:
-            fd = os.open(reply["arena_path"], os.O_RDWR)
+            fd = os.open(reply.arena_path, os.O_RDWR)
         except OSError as exc:
             raise CacheUnavailable(f"cannot map the arena: {exc}") from exc
         try:
-            arena_map = mmap.mmap(fd, reply["arena_bytes"])
+            arena_map = mmap.mmap(fd, reply.arena_bytes)
         finally:
             os.close(fd)
         # The old map is left to the garbage collector: views of it may still be alive.
-        self._arena = _Arena(reply["instance"], arena_map, tuple(reply["tiers"]))
+        self._arena = _Arena(reply.instance, arena_map, reply.tiers)
 
     @contextlib.contextmanager
     def _parsing(self, op: p.Op) -> Iterator[None]:
         """Turn a reply of the wrong shape into CacheUnavailable (and a fresh connection)."""
         try:
             yield
-        except (KeyError, IndexError, TypeError, ValueError, OSError) as exc:
+        except (p.ProtocolError, KeyError, IndexError, TypeError, ValueError, OSError) as exc:
             self._fail()
             raise CacheUnavailable(f"{op.value}: malformed reply: {exc!r}") from exc
 
@@ -276,14 +279,16 @@ class KVKeepClient:
             raise TimeoutError("deadline passed")
         return left
 
-    def _call(self, op: p.Op, args: dict[str, Any]) -> dict[str, Any]:
+    def _call(self, request: p.RequestMessage) -> dict[str, Any]:
+        """The result map of ``request``'s reply (decode it with its reply type)."""
+        op = request.OP
         with self._op():
             reused = self._sock is not None
             sock = self._ensure_connected()
             self._next_id += 1
             try:
                 sock.settimeout(self._remaining())
-                sock.sendall(p.frame(p.request_body(self._next_id, op, args)))
+                sock.sendall(p.frame(p.request_body(self._next_id, op, request.encode())))
                 reply = self._read_reply(sock)
                 return self._result(reply, op)
             except ConnectionError as exc:
@@ -341,7 +346,7 @@ class KVKeepClient:
             raise CacheUnavailable(f"cannot connect: {exc}") from exc
         self._failures = 0
         if self.token is not None:
-            self._call(p.Op.AUTH, {"token": self.token})
+            self._call(p.AuthRequest(self.token))
         return self._sock
 
     def _connect(self) -> socket.socket:

@@ -10,28 +10,53 @@ may build at most ``MAX_DECODED_ITEMS`` array and map entries in all: a frame of
 arrays would otherwise make ~70 bytes of Python objects per byte received (600 MB for one 8 MiB
 frame, and seconds of the event loop).
 
-Operations (``ns`` is the id HELLO returned on this connection; keys are 32-byte bin)::
+Operations. Each has a typed request and reply below (``AuthRequest`` ... ``StatsReply``);
+their ``encode`` gives the args or result map, their ``decode`` validates one. ``ns`` is the
+id HELLO returned on this connection; a key is a 32-byte block key (the server prefixes it
+with the namespace, see ``kvkeep.store.keyformat``); an offset names an arena slot; a crc32
+is the CRC-32 of a block's bytes (< 2**32). Every int is non-negative::
 
-    AUTH    {token: bin}                                -> {}            (TCP: required first)
-    HELLO   {namespace: bin32, block_bytes: int, label: str}
-            -> {ns: int, instance: str, arena_path: str, arena_bytes: int,
-                tiers: [str], max_block_bytes: int}
-    LOOKUP  {ns, keys: [bin32]}     -> {num_present: int, tiers: [int]}   (leading keys only)
-    RESERVE {ns, keys: [bin32]}     -> {slots: [[index, offset]]}  (skips stored keys; stops
-                                                                    when the arena is full)
-    COMMIT  {ns, slots: [[offset, crc32]]}  -> {committed: int}
-    ACQUIRE {ns, keys: [bin32]}     -> {slots: [[offset, crc32]]}  (pinned leading hits)
-    RELEASE {slots: [offset]}       -> {}        (unpins acquired slots, aborts reserved ones)
-    STATS   {}                      -> {stats map}
+    AUTH    {token: bin}  -> {}                 (TCP: required first; wrong token: fatal)
+    HELLO   {namespace: bin32, block_bytes: int, label: str (optional, cut to 200)}
+            -> {ns: int, instance: str (the server process), arena_path: str,
+                arena_bytes: int, tiers: [str] (tier names, fastest first),
+                max_block_bytes: int}          (block_too_large if blocks cannot fit)
+    LOOKUP  {keys: [bin32], ns}  -> {num_present: int, tiers: [int]}
+            the leading keys present in some tier, and the index of each one's tier
+    RESERVE {keys: [bin32], ns}  -> {slots: [[index, offset]]}
+            slots to write keys[index] into; skips keys already stored, stops at the first
+            key no slot can be freed for (RAM all pinned)
+    COMMIT  {slots: [[offset, crc32]], ns}  -> {committed: int}
+            publishes slots this connection reserved; others are ignored (not counted)
+    ACQUIRE {keys: [bin32], ns}  -> {slots: [[offset, crc32]]}
+            pins the leading present keys (loaded from lower tiers if needed) for reading
+    RELEASE {slots: [offset], corrupt: [offset] (optional)}  -> {}
+            unpins acquired slots and aborts reserved ones (others are ignored); ``corrupt``
+            names acquired slots whose bytes failed the client's checksum: the server checks
+            each again and drops it if its bytes are bad and nobody else pins it
+    STATS   {integrity: bool (optional)}
+            -> {tiers: {name: {hits, misses, bytes_in, bytes_out, evictions,
+                               checksum_failures, rejected_puts, write_errors, errors,
+                               dropped_puts, blocks, bytes_used, capacity_bytes: int}},
+                dropped_writes, write_errors, corrupt_writes, queue_depth,
+                pending_writes: int (write-behind), rebuild_s: float (disk index rebuild),
+                instance: str, connections: int,
+                integrity: [str] (only when asked: every inconsistency
+                           ``ArenaTier.check_integrity`` finds; O(slots), for tests)}
+
+A connection's reservations are aborted and its pins dropped when it closes.
 """
 
 from __future__ import annotations
 
 import enum
 import struct
-from typing import Any, NamedTuple
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, NamedTuple, Self, get_args
 
 import msgpack
+
+from kvkeep.store.slots import Offset
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 8 << 20
@@ -40,6 +65,8 @@ KEY_BYTES = 32
 MAX_MAP_ITEMS = 256  # envelopes, args and STATS replies are small maps
 MAX_DECODED_ITEMS = 4 * MAX_KEYS_PER_REQUEST  # a COMMIT of 65,536 [offset, crc] rows: 3×
 MAX_WIRE_INT = 2**64 - 1  # offsets and checksums must fit msgpack's uint64
+CRC_LIMIT = 2**32  # a CRC-32
+MAX_LABEL_CHARS = 200
 FRAME_HEADER = struct.Struct(">I")
 
 
@@ -186,7 +213,7 @@ def arg_keys(args: dict[str, Any]) -> list[bytes]:
         raise ProtocolError(
             ErrorCode.BAD_REQUEST, f"keys must be a list of <= {MAX_KEYS_PER_REQUEST}"
         )
-    if {len(k) if type(k) is bytes else -1 for k in keys} - {KEY_BYTES}:
+    if not all(type(k) is bytes and len(k) == KEY_BYTES for k in keys):
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"every key must be {KEY_BYTES} bytes")
     return keys
 
@@ -207,3 +234,260 @@ def arg_int_list(args: dict[str, Any], name: str, width: int) -> list[Any]:
 
 def _wire_uint(value: Any) -> bool:
     return type(value) is int and 0 <= value <= MAX_WIRE_INT
+
+
+def _offsets(args: dict[str, Any], name: str) -> tuple[Offset, ...]:
+    return tuple(arg_int_list(args, name, 1))  # checked ints: Offset is int at run time
+
+
+def _uint_pairs(rows: list[Any]) -> list[Any]:
+    """``rows`` if its pairs are non-negative ints (the client maps the offsets it reads
+    here, so this much is checked even on the hot path); else ProtocolError, or ValueError
+    or TypeError for rows that are not pairs."""
+    if not all(type(a) is int and type(b) is int and a >= 0 and b >= 0 for a, b in rows):
+        raise ProtocolError(ErrorCode.MALFORMED, "slot rows must be pairs of non-negative ints")
+    return rows
+
+
+def _announced(args: dict[str, Any], announced: int) -> int:
+    """The ``ns`` of a request, which must be an id HELLO returned on this connection."""
+    ns = arg_int(args, "ns")
+    if ns >= announced:
+        raise ProtocolError(
+            ErrorCode.UNKNOWN_NAMESPACE, f"namespace {ns} was not announced by HELLO"
+        )
+    return ns
+
+
+# --- typed messages -------------------------------------------------------------------------
+# A message's fields are its wire map, in the order version 1 has always sent them (so frames
+# stay byte-identical; tuples and NamedTuples pack as arrays). Requests decode with
+# ``decode(args, announced)``, where ``announced`` counts the namespaces this connection has
+# announced, so an unknown ``ns`` is refused before anything else is checked, and raise
+# ProtocolError on anything malformed. Replies (from the server) decode with
+# ``decode(result)``, checking only their shape on the hot paths: a malformed one raises
+# ProtocolError, KeyError, TypeError or ValueError, which the client turns into
+# CacheUnavailable.
+
+
+class _Message:
+    def encode(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class AuthRequest(_Message):
+    OP: ClassVar[Op] = Op.AUTH
+    token: bytes
+
+    @classmethod
+    def decode(cls, args: dict[str, Any], announced: int = 0) -> Self:
+        return cls(arg_bytes(args, "token"))
+
+
+@dataclass(frozen=True)
+class EmptyReply(_Message):
+    """The reply to AUTH and RELEASE."""
+
+    @classmethod
+    def decode(cls, result: dict[str, Any]) -> Self:
+        return cls()
+
+
+@dataclass(frozen=True)
+class HelloRequest(_Message):
+    OP: ClassVar[Op] = Op.HELLO
+    namespace: bytes  # the client's namespace digest (kvkeep.keys.Namespace.digest())
+    block_bytes: int
+    label: str = ""  # for operators' logs only
+
+    @classmethod
+    def decode(cls, args: dict[str, Any], announced: int = 0) -> Self:
+        namespace = arg_bytes(args, "namespace", KEY_BYTES)
+        block_bytes = arg_int(args, "block_bytes")
+        label = args.get("label", "")
+        return cls(
+            namespace, block_bytes, label[:MAX_LABEL_CHARS] if isinstance(label, str) else ""
+        )
+
+
+@dataclass(frozen=True)
+class HelloReply(_Message):
+    ns: int
+    instance: str  # the server process; slots of another instance are void
+    arena_path: str
+    arena_bytes: int
+    tiers: tuple[str, ...]  # tier names, fastest first
+    max_block_bytes: int
+
+    @classmethod
+    def decode(cls, result: dict[str, Any]) -> Self:
+        return cls(
+            int(result["ns"]),
+            str(result["instance"]),
+            str(result["arena_path"]),
+            int(result["arena_bytes"]),
+            tuple(map(str, result["tiers"])),
+            int(result["max_block_bytes"]),
+        )
+
+
+@dataclass(frozen=True)
+class KeysRequest(_Message):
+    """LOOKUP, RESERVE and ACQUIRE: block keys in one namespace."""
+
+    OP: ClassVar[Op]
+    keys: tuple[bytes, ...]
+    ns: int
+
+    @classmethod
+    def decode(cls, args: dict[str, Any], announced: int = 0) -> Self:
+        ns = _announced(args, announced)
+        return cls(tuple(arg_keys(args)), ns)
+
+
+@dataclass(frozen=True)
+class LookupRequest(KeysRequest):
+    OP: ClassVar[Op] = Op.LOOKUP
+
+
+@dataclass(frozen=True)
+class LookupReply(_Message):
+    num_present: int  # leading keys present in some tier
+    tiers: tuple[int, ...]  # tiers[i]: index (in HELLO's tiers) of key i's tier
+
+    @classmethod
+    def decode(cls, result: dict[str, Any]) -> Self:
+        return cls(int(result["num_present"]), tuple(result["tiers"]))
+
+
+@dataclass(frozen=True)
+class ReserveRequest(KeysRequest):
+    OP: ClassVar[Op] = Op.RESERVE
+
+
+class ReservedSlot(NamedTuple):
+    key_index: int  # into the request's keys
+    offset: Offset
+
+
+@dataclass(frozen=True)
+class ReserveReply(_Message):
+    slots: tuple[ReservedSlot, ...]
+
+    @classmethod
+    def decode(cls, result: dict[str, Any]) -> Self:
+        return cls(tuple(map(ReservedSlot._make, _uint_pairs(result["slots"]))))
+
+
+class ChecksummedSlot(NamedTuple):
+    offset: Offset
+    crc: int
+
+
+def _checksummed(args: dict[str, Any]) -> tuple[ChecksummedSlot, ...]:
+    rows = arg_int_list(args, "slots", 2)
+    if any(crc >= CRC_LIMIT for _, crc in rows):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "a checksum is a CRC-32: < 2**32")
+    return tuple(ChecksummedSlot(Offset(o), crc) for o, crc in rows)
+
+
+@dataclass(frozen=True)
+class CommitRequest(_Message):
+    OP: ClassVar[Op] = Op.COMMIT
+    slots: tuple[ChecksummedSlot, ...]  # the crc32 the client computed over each slot
+    ns: int
+
+    @classmethod
+    def decode(cls, args: dict[str, Any], announced: int = 0) -> Self:
+        ns = _announced(args, announced)
+        return cls(_checksummed(args), ns)
+
+
+@dataclass(frozen=True)
+class CommitReply(_Message):
+    committed: int
+
+    @classmethod
+    def decode(cls, result: dict[str, Any]) -> Self:
+        return cls(arg_int(result, "committed"))
+
+
+@dataclass(frozen=True)
+class AcquireRequest(KeysRequest):
+    OP: ClassVar[Op] = Op.ACQUIRE
+
+
+@dataclass(frozen=True)
+class AcquireReply(_Message):
+    slots: tuple[ChecksummedSlot, ...]  # pinned, for the leading keys; crc as stored
+
+    @classmethod
+    def decode(cls, result: dict[str, Any]) -> Self:
+        return cls(tuple(map(ChecksummedSlot._make, _uint_pairs(result["slots"]))))
+
+
+@dataclass(frozen=True)
+class ReleaseRequest(_Message):
+    OP: ClassVar[Op] = Op.RELEASE
+    slots: tuple[Offset, ...]
+    corrupt: tuple[Offset, ...] = ()  # acquired slots among ``slots`` that failed the crc
+
+    def encode(self) -> dict[str, Any]:
+        return {"slots": self.slots, **({"corrupt": self.corrupt} if self.corrupt else {})}
+
+    @classmethod
+    def decode(cls, args: dict[str, Any], announced: int = 0) -> Self:
+        corrupt = _offsets(args, "corrupt") if "corrupt" in args else ()
+        return cls(_offsets(args, "slots"), corrupt)
+
+
+@dataclass(frozen=True)
+class StatsRequest(_Message):
+    OP: ClassVar[Op] = Op.STATS
+    integrity: bool = False
+
+    def encode(self) -> dict[str, Any]:
+        return {"integrity": True} if self.integrity else {}
+
+    @classmethod
+    def decode(cls, args: dict[str, Any], announced: int = 0) -> Self:
+        return cls(args.get("integrity") is True)
+
+
+@dataclass(frozen=True)
+class StatsReply(_Message):
+    """Counters and occupancy per tier, write-behind state, instance, connections (see
+    ``TieredStore.stats`` and ``CacheServer.stats``): a map read by operators and tests."""
+
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def encode(self) -> dict[str, Any]:
+        return self.stats
+
+    @classmethod
+    def decode(cls, result: dict[str, Any]) -> Self:
+        return cls(result)
+
+
+RequestMessage = (
+    AuthRequest
+    | HelloRequest
+    | LookupRequest
+    | ReserveRequest
+    | CommitRequest
+    | AcquireRequest
+    | ReleaseRequest
+    | StatsRequest
+)
+ReplyMessage = (
+    EmptyReply | HelloReply | LookupReply | ReserveReply | CommitReply | AcquireReply | StatsReply
+)
+
+REQUESTS: dict[Op, type[RequestMessage]] = {m.OP: m for m in get_args(RequestMessage)}
+
+
+def decode_message(request: Request, announced: int) -> RequestMessage:
+    """The typed request of a decoded envelope; raises ProtocolError (BAD_REQUEST,
+    UNKNOWN_NAMESPACE). ``announced``: namespaces announced on this connection so far."""
+    return REQUESTS[request.op].decode(request.args, announced)

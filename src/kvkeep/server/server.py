@@ -1,9 +1,15 @@
-"""The cache server: one asyncio loop owning a TieredStore, serving the protocol.
+"""The cache server: one asyncio loop serving the protocol over a TieredStore.
 
-Every request is handled on the loop thread except ACQUIREs that must read from disk, which
-run in a thread pool so a slow disk never stalls LOOKUPs. A connection owns its namespaces
-(HELLO), its reservations and its pins; when it goes away, its reservations are aborted and
-its pins dropped, so a crashed engine leaves nothing pinned behind.
+A protocol adapter: it decodes typed requests (``protocol``), turns a connection's namespace
+ids and block keys into store keys (``kvkeep.store.keyformat``), calls the store, and encodes
+typed replies. Every storage decision and all pin and reservation bookkeeping live behind
+``TieredStore``; this module never reaches into a tier.
+
+Every request is handled on the loop thread except ACQUIREs that must read from a lower tier,
+and LOOKUPs that may ask the network, which run in a thread pool so a slow disk or remote
+store never stalls other requests. A connection owns its namespaces (HELLO) and a store
+``Holder`` for its reservations and pins; when it goes away the store drops that holder, so a
+crashed engine leaves nothing pinned behind.
 """
 
 from __future__ import annotations
@@ -11,16 +17,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import hashlib
 import hmac
-import itertools
 import logging
 import os
 import secrets
 import signal
 import socket
 import threading
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,14 +33,15 @@ from kvkeep.server import protocol as p
 from kvkeep.server.namespaces import NamespaceRegistry
 from kvkeep.store.base import NullTier, StoreKey, Tier
 from kvkeep.store.disk import DiskConfig, DiskTier
-from kvkeep.store.memory import ArenaConfig, ArenaTier, Pinned, slot_bytes_for
+from kvkeep.store.keyformat import NamespaceDigest, namespace_digest, store_keys
+from kvkeep.store.memory import ArenaTier
 from kvkeep.store.remote import RemoteConfig, RemoteTier, WritePolicy
-from kvkeep.store.tiered import ReserveStatus, TieredStore, WriteBehindConfig
+from kvkeep.store.slots import ArenaConfig, Holder, slot_bytes_for
+from kvkeep.store.tiered import TieredStore, WriteBehindConfig
 
 log = logging.getLogger("kvkeep.server")
 
 MAX_NAMESPACES_PER_CONNECTION = 64
-CRC_LIMIT = 2**32  # a CRC-32
 
 
 @dataclass(frozen=True)
@@ -66,26 +70,19 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class _Namespace:
-    digest: bytes  # the store's namespace: the client's digest and block_bytes together
+    digest: NamespaceDigest  # the client's digest and block_bytes together
     block_bytes: int
     label: str
 
 
-def store_digest(digest: bytes, block_bytes: int) -> bytes:
-    """The namespace blocks are stored under. ``block_bytes`` is part of it so that a client
-    announcing a known digest with another block size can never be handed blocks of the
-    wrong length: it simply has none."""
-    return hashlib.sha256(
-        b"kvkeep/store-ns\0" + digest + block_bytes.to_bytes(8, "little")
-    ).digest()
-
-
 @dataclass
 class _Connection:
+    """What one client connection owns: its namespaces, and (through ``holder``) its
+    reservations and pins in the store."""
+
     authenticated: bool
+    holder: Holder
     namespaces: list[_Namespace] = field(default_factory=list)
-    reservations: dict[int, StoreKey] = field(default_factory=dict)
-    pins: Counter[int] = field(default_factory=Counter)
 
 
 class CacheServer:
@@ -101,7 +98,7 @@ class CacheServer:
         self._io_pool = ThreadPoolExecutor(4, thread_name_prefix="kvkeep-io")
         self.namespaces = NamespaceRegistry(
             Path(config.directory) / "namespaces.json",
-            getattr(self.store.lower[0], "namespace_blocks", Counter),
+            self.store.namespace_blocks,
         )
         self._stop = asyncio.Event()
 
@@ -130,7 +127,7 @@ class CacheServer:
 
     def _prefault(self) -> None:
         try:
-            self.store.ram.arena.prefault()
+            self.store.prefault()
         except OSError as exc:
             log.warning("could not allocate the arena up front (%s): is /dev/shm big enough?", exc)
 
@@ -188,13 +185,13 @@ class CacheServer:
     async def _unix_client(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        await self._serve(reader, writer, _Connection(authenticated=True))
+        await self._serve(reader, writer, _Connection(True, self.store.holder()))
 
     async def _tcp_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sock = writer.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        await self._serve(reader, writer, _Connection(authenticated=False))
+        await self._serve(reader, writer, _Connection(False, self.store.holder()))
 
     async def _serve(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: _Connection
@@ -209,7 +206,7 @@ class CacheServer:
             log.exception("closing a connection after an unexpected error")
         finally:
             self.connections -= 1
-            self._forget(conn)
+            self.store.drop(conn.holder)
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
@@ -224,7 +221,7 @@ class CacheServer:
             p.check_frame_length(length)
             request = p.decode_request(await reader.readexactly(length))
             request_id = request.id
-            reply = p.ok_reply(request.id, await self._dispatch(conn, request))
+            reply = p.ok_reply(request.id, (await self._dispatch(conn, request)).encode())
         except p.ProtocolError as exc:
             reply = p.error_reply(request_id, exc)
             writer.write(p.frame(reply))
@@ -234,53 +231,49 @@ class CacheServer:
         await writer.drain()
         return True
 
-    def _forget(self, conn: _Connection) -> None:
-        for offset in conn.reservations:
-            self.store.ram.abort(offset)
-        for offset, count in conn.pins.items():
-            for _ in range(count):
-                self.store.release(offset)
-
     # --- operations ------------------------------------------------------------------------
 
-    async def _dispatch(self, conn: _Connection, request: p.Request) -> dict[str, Any]:
-        if request.op is p.Op.AUTH:
-            return self._auth(conn, request.args)
-        if not conn.authenticated:
+    async def _dispatch(self, conn: _Connection, request: p.Request) -> p.ReplyMessage:
+        if request.op is not p.Op.AUTH and not conn.authenticated:
             raise p.ProtocolError(p.ErrorCode.UNAUTHORIZED, "send AUTH with the server token first")
-        if request.op is p.Op.ACQUIRE:
-            return await self._acquire(conn, request.args)
-        if request.op is p.Op.LOOKUP:
-            return await self._lookup(conn, request.args)
-        handler = {
-            p.Op.HELLO: self._hello,
-            p.Op.RESERVE: self._reserve,
-            p.Op.COMMIT: self._commit,
-            p.Op.RELEASE: self._release,
-            p.Op.STATS: self._stats,
-        }[request.op]
-        return handler(conn, request.args)
+        message = p.decode_message(request, len(conn.namespaces))
+        match message:
+            case p.AcquireRequest():
+                return await self._acquire(conn, message)
+            case p.LookupRequest():
+                return await self._lookup(conn, message)
+            case p.AuthRequest():
+                return self._auth(conn, message)
+            case p.HelloRequest():
+                return self._hello(conn, message)
+            case p.ReserveRequest():
+                return self._reserve(conn, message)
+            case p.CommitRequest():
+                return self._commit(conn, message)
+            case p.ReleaseRequest():
+                return self._release(conn, message)
+            case p.StatsRequest():
+                return p.StatsReply(self.stats(integrity=message.integrity))
+        raise AssertionError(f"no handler for {request.op}")  # decode_message covers every op
 
-    def _auth(self, conn: _Connection, args: dict[str, Any]) -> dict[str, Any]:
-        token = p.arg_bytes(args, "token")
+    def _auth(self, conn: _Connection, request: p.AuthRequest) -> p.EmptyReply:
+        token = request.token
         if self.config.token is not None and not hmac.compare_digest(token, self.config.token):
             raise p.ProtocolError(p.ErrorCode.UNAUTHORIZED, "wrong token")
         conn.authenticated = True
-        return {}
+        return p.EmptyReply()
 
-    def _hello(self, conn: _Connection, args: dict[str, Any]) -> dict[str, Any]:
-        digest = p.arg_bytes(args, "namespace", 32)
-        block_bytes = p.arg_int(args, "block_bytes")
-        label = args.get("label", "")
-        label = label[:200] if isinstance(label, str) else ""
-        max_block = self.store.ram.config.extent_bytes
-        if not 0 < slot_bytes_for(block_bytes) <= max_block:
+    def _hello(self, conn: _Connection, request: p.HelloRequest) -> p.HelloReply:
+        arena = self.store.arena
+        max_block = arena.max_block_bytes
+        if not 0 < slot_bytes_for(request.block_bytes) <= max_block:
             raise p.ProtocolError(
                 p.ErrorCode.BLOCK_TOO_LARGE,
-                f"blocks of {block_bytes} bytes do not fit this server (max {max_block}); "
-                "restart it with more --ram",
+                f"blocks of {request.block_bytes} bytes do not fit this server (max "
+                f"{max_block}); restart it with more --ram",
             )
-        ns = _Namespace(store_digest(digest, block_bytes), block_bytes, label)
+        digest = namespace_digest(request.namespace, request.block_bytes)
+        ns = _Namespace(digest, request.block_bytes, request.label)
         if ns not in conn.namespaces:
             if len(conn.namespaces) >= MAX_NAMESPACES_PER_CONNECTION:
                 raise p.ProtocolError(
@@ -288,120 +281,69 @@ class CacheServer:
                     f"more than {MAX_NAMESPACES_PER_CONNECTION} namespaces on one connection",
                 )
             conn.namespaces.append(ns)
-            self._io_pool.submit(self.namespaces.announce, ns.digest, digest, label, block_bytes)
-        return {
-            "ns": conn.namespaces.index(ns),
-            "instance": self.instance,
-            "arena_path": self.store.ram.arena.path,
-            "arena_bytes": self.store.ram.arena.size,
-            "tiers": [t.name for t in self.store.tiers],
-            "max_block_bytes": max_block,
-        }
-
-    def _namespace(self, conn: _Connection, args: dict[str, Any]) -> _Namespace:
-        ns = p.arg_int(args, "ns")
-        if ns >= len(conn.namespaces):
-            raise p.ProtocolError(
-                p.ErrorCode.UNKNOWN_NAMESPACE, f"namespace {ns} was not announced by HELLO"
+            self._io_pool.submit(
+                self.namespaces.announce, digest, request.namespace, ns.label, ns.block_bytes
             )
-        return conn.namespaces[ns]
+        tiers = tuple(t.name for t in self.store.tiers)
+        index = conn.namespaces.index(ns)
+        return p.HelloReply(index, self.instance, arena.path, arena.size, tiers, max_block)
 
-    def _keys(self, conn: _Connection, args: dict[str, Any]) -> tuple[_Namespace, list[StoreKey]]:
-        ns = self._namespace(conn, args)
-        digest = ns.digest  # arg_keys checked every key is 32 bytes: plain concatenation
-        return ns, [StoreKey(digest + k) for k in p.arg_keys(args)]
+    def _keys(self, conn: _Connection, request: p.KeysRequest) -> tuple[_Namespace, list[StoreKey]]:
+        ns = conn.namespaces[request.ns]  # decode_message checked it was announced
+        return ns, store_keys(ns.digest, request.keys)
 
-    async def _lookup(self, conn: _Connection, args: dict[str, Any]) -> dict[str, Any]:
+    async def _lookup(self, conn: _Connection, request: p.LookupRequest) -> p.LookupReply:
         """On the loop thread, unless a tier may ask the network (then in the I/O pool, so a
         slow remote store delays only this lookup)."""
-        _, keys = self._keys(conn, args)
+        _, keys = self._keys(conn, request)
         if self.store.may_block:
             loop = asyncio.get_running_loop()
             found = await loop.run_in_executor(self._io_pool, self.store.lookup, keys)
         else:
             found = self.store.lookup(keys)
-        return {"num_present": found.num_present, "tiers": list(found.tiers)}
+        return p.LookupReply(found.num_present, found.tiers)
 
-    def _reserve(self, conn: _Connection, args: dict[str, Any]) -> dict[str, Any]:
-        ns, keys = self._keys(conn, args)
-        slots = []
-        for index, key in enumerate(keys):
-            reservation = self.store.reserve(key, ns.block_bytes)
-            if reservation.status is ReserveStatus.FULL:
-                break
-            if reservation.status is ReserveStatus.RESERVED:
-                conn.reservations[reservation.offset] = key
-                slots.append([index, reservation.offset])
-        return {"slots": slots}
+    def _reserve(self, conn: _Connection, request: p.ReserveRequest) -> p.ReserveReply:
+        ns, keys = self._keys(conn, request)
+        reserved = self.store.reserve_missing(keys, ns.block_bytes, conn.holder)
+        return p.ReserveReply(tuple(p.ReservedSlot(r.key_index, r.offset) for r in reserved))
 
-    def _commit(self, conn: _Connection, args: dict[str, Any]) -> dict[str, Any]:
-        self._namespace(conn, args)
-        committed = 0
-        rows = p.arg_int_list(args, "slots", 2)
-        if any(crc >= CRC_LIMIT for _, crc in rows):
-            raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "a checksum is a CRC-32: < 2**32")
-        for offset, crc in rows:
-            if conn.reservations.pop(offset, None) is not None:
-                committed += self.store.commit(offset, crc)
-        return {"committed": committed}
+    def _commit(self, conn: _Connection, request: p.CommitRequest) -> p.CommitReply:
+        store, holder = self.store, conn.holder
+        return p.CommitReply(sum(store.commit(s.offset, s.crc, holder) for s in request.slots))
 
-    async def _acquire(self, conn: _Connection, args: dict[str, Any]) -> dict[str, Any]:
-        ns, keys = self._keys(conn, args)
-        slots: list[list[int]] = []
-        for key in keys:  # fast path: RAM hits on the loop thread
-            pinned = self.store.ram.pin(key)
-            if pinned is None:
-                break
-            conn.pins[pinned.offset] += 1
-            slots.append([pinned.offset, pinned.checksum])
-        rest = keys[len(slots) :]
+    async def _acquire(self, conn: _Connection, request: p.AcquireRequest) -> p.AcquireReply:
+        """RAM hits are pinned on the loop thread; the rest, if a lower tier holds the next
+        key, in the I/O pool (so a slow disk delays only this request)."""
+        ns, keys = self._keys(conn, request)
+        pinned = self.store.acquire_resident(keys, conn.holder)
+        rest = keys[len(pinned) :]
         if rest and self.store.held_below(rest[0]):
-            for hit in await self._promote(rest, ns.block_bytes):
-                conn.pins[hit.offset] += 1
-                slots.append([hit.offset, hit.checksum])
-        return {"slots": slots}
+            loop = asyncio.get_running_loop()
+            pinned += await loop.run_in_executor(
+                self._io_pool, self.store.acquire_below, rest, ns.block_bytes, conn.holder
+            )
+        return p.AcquireReply(tuple(p.ChecksummedSlot(h.offset, h.checksum) for h in pinned))
 
-    async def _promote(self, keys: list[StoreKey], block_bytes: int) -> list[Pinned]:
-        """Pin the leading ``keys``, loading them from disk in parallel (several reads in
-        flight keep the disk queue full and overlap CRC checks with I/O)."""
-        loop = asyncio.get_running_loop()
-        hits = await asyncio.gather(
-            *(loop.run_in_executor(self._io_pool, self.store.acquire, k, block_bytes) for k in keys)
-        )
-        leading = list(itertools.takewhile(lambda hit: hit is not None, hits))
-        for hit in hits[len(leading) :]:
-            if hit is not None:  # loaded past the first miss: promoted but not handed out
-                self.store.release(hit.offset)
-        return [hit for hit in leading if hit is not None]
-
-    def _release(self, conn: _Connection, args: dict[str, Any]) -> dict[str, Any]:
-        """Unpin or abandon ``slots``. ``corrupt`` (optional) names pinned slots whose bytes
-        failed the client's checksum: each is re-checked here and, if its bytes really are
-        bad and no one else reads it, dropped, so the engine's next save replaces it
-        (otherwise it would stay a miss for good: a save skips keys already held)."""
-        corrupt = p.arg_int_list(args, "corrupt", 1) if "corrupt" in args else []
-        for offset in p.arg_int_list(args, "slots", 1):
-            if conn.reservations.pop(offset, None) is not None:
-                self.store.ram.abort(offset)
-            elif conn.pins[offset] > 0:
-                conn.pins[offset] -= 1
-                self.store.release(offset)
-        for offset in corrupt:
-            if self.store.ram.discard_corrupt(offset):
+    def _release(self, conn: _Connection, request: p.ReleaseRequest) -> p.EmptyReply:
+        """Unpin or abandon ``slots``. ``corrupt`` names pinned slots whose bytes failed the
+        client's checksum: each is re-checked here and, if its bytes really are bad and no
+        one else reads it, dropped, so the engine's next save replaces it (otherwise it
+        would stay a miss for good: a save skips keys already held)."""
+        for offset in request.slots:
+            self.store.release(offset, conn.holder)
+        for offset in request.corrupt:
+            if self.store.discard_corrupt(offset):
                 log.warning("dropped a block whose bytes in RAM failed a client's checksum")
-        return {}
+        return p.EmptyReply()
 
-    def _stats(self, conn: _Connection, args: dict[str, Any]) -> dict[str, Any]:
-        return self.stats()
-
-    def stats(self) -> dict[str, Any]:
-        disk = self.store.lower[0]
-        return {
-            **self.store.stats(),
-            "instance": self.instance,
-            "connections": self.connections,
-            "rebuild_s": getattr(disk, "rebuild_seconds", 0.0),
-        }
+    def stats(self, integrity: bool = False) -> dict[str, Any]:
+        """The store's stats, this process's instance and open connections; with
+        ``integrity``, also every problem ``check_integrity`` finds (O(slots))."""
+        stats = {**self.store.stats(), "instance": self.instance, "connections": self.connections}
+        if integrity:
+            stats["integrity"] = self.store.check_integrity()
+        return stats
 
 
 def _lock_directory(directory: Path) -> int:

@@ -3,21 +3,12 @@
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import NamedTuple, NewType, Protocol
+from typing import NamedTuple, Protocol
 
-StoreKey = NewType("StoreKey", bytes)
-"""64 bytes: namespace digest (32) + block key (32). Keys of two namespaces never alias."""
+from kvkeep.store.keyformat import StoreKey
 
-STORE_KEY_BYTES = 64
-
-
-def store_key(namespace_digest: bytes, block_key: bytes) -> StoreKey:
-    """The key a block is stored under. Raises ValueError unless both parts are 32 bytes."""
-    if len(namespace_digest) != 32 or len(block_key) != 32:
-        raise ValueError("namespace digest and block key must be 32 bytes each")
-    return StoreKey(namespace_digest + block_key)
+__all__ = ["Found", "NullTier", "StoreKey", "Tier", "TierCounters", "TierStats", "checksum"]
 
 
 def checksum(data: bytes | memoryview) -> int:
@@ -79,6 +70,12 @@ class Tier(Protocol):
 
     Tiers are kept in an ordered list, fastest first; the tiered store never asks which
     concrete class a tier is, except that the first tier is the shared-memory arena.
+
+    Optional: ``contains_many(keys) -> list[bool]`` answers many ``contains`` at once (one
+    round trip). A tier whose ``contains`` can only answer from local hints (the remote tier)
+    implements it; the tiered store calls it at most once per lookup, with the keys from the
+    first one no faster tier holds to the end. It blocks on I/O and never raises: a failure
+    is all False.
     """
 
     name: str
@@ -110,17 +107,6 @@ class Tier(Protocol):
     def stats(self) -> TierStats:
         """A consistent snapshot of counters and occupancy."""
         ...
-
-
-class BatchLookup(Protocol):
-    """Optional for a tier: answer many ``contains`` at once (one round trip to a remote store).
-
-    A tier whose ``contains`` can only answer from local hints (the remote tier) implements
-    this; the tiered store calls it at most once per lookup, with the keys from the first one
-    no faster tier holds to the end. It blocks on I/O and never raises: a failure is all False.
-    """
-
-    def contains_many(self, keys: Sequence[StoreKey]) -> list[bool]: ...
 
 
 class NullTier:

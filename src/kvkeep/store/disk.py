@@ -45,6 +45,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kvkeep.store.base import Found, StoreKey, TierCounters, TierStats
+from kvkeep.store.keyformat import namespace_of
 
 MAGIC = b"KVKR"
 INDEX_MAGIC = b"KVKI"
@@ -156,7 +157,8 @@ class DiskTier:
     def get(self, key: StoreKey, out: memoryview) -> Found | None:
         with self._lock:
             loc = self._index.get(key)
-            fd = self._segments[loc.segment].fd if loc is not None else -1
+            if loc is not None:
+                fd = self._segments[loc.segment].fd
         if loc is None or loc.length > len(out):
             self._counters.misses += 1
             return None
@@ -212,10 +214,10 @@ class DiskTier:
             )
 
     def namespace_blocks(self) -> Counter[bytes]:
-        """Blocks held per namespace (a key's first 32 bytes). O(blocks): call it off the loop."""
+        """Blocks held per namespace digest. O(blocks): call it off the event loop."""
         with self._lock:
             keys = list(self._index)
-        return Counter(key[:32] for key in keys)
+        return Counter(namespace_of(key) for key in keys)
 
     # --- lifecycle -------------------------------------------------------------------------
 

@@ -14,125 +14,49 @@ takes over a whole extent from another class (the one that has most) whose slots
 
 Slot states: free -> reserved (being written, invisible to readers) -> committed (visible,
 evictable unless pinned) -> free. Pinned committed slots are never evicted or reused.
+
+Pins and reservations belong to a ``Holder``: one per server connection, and ``INTERNAL`` for
+the store's own short pins (write-behind, promotion, ``get``/``put``). They are counted once,
+here, per holder and slot; ``drop_holder`` aborts a holder's reservations and drops its pins,
+so a connection that goes away leaves nothing behind. ``check_integrity`` re-derives every
+count from the slots and names what disagrees.
 """
 
 from __future__ import annotations
 
-import contextlib
-import mmap
-import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import NamedTuple
 
 from kvkeep.store.base import Found, StoreKey, TierCounters, TierStats, checksum
 from kvkeep.store.policy import LruPolicy
-
-SLOT_ALIGN = 64
-DEFAULT_EXTENT_BYTES = 64 << 20
-
-
-@dataclass(frozen=True)
-class ArenaConfig:
-    """Where and how big the arena is. ``extent_bytes`` bounds the largest block it holds."""
-
-    size_bytes: int
-    extent_bytes: int = DEFAULT_EXTENT_BYTES
-    shm_dir: str = "/dev/shm"
-
-    def __post_init__(self) -> None:
-        if self.extent_bytes <= 0 or self.extent_bytes % 4096:
-            raise ValueError(
-                f"extent_bytes must be a positive multiple of 4096: {self.extent_bytes}"
-            )
-        if self.size_bytes < self.extent_bytes:
-            raise ValueError(
-                f"RAM size {self.size_bytes} is below one extent ({self.extent_bytes} bytes); "
-                "give more RAM or a smaller extent"
-            )
-
-    @property
-    def num_extents(self) -> int:
-        return self.size_bytes // self.extent_bytes
-
-
-def slot_bytes_for(block_bytes: int) -> int:
-    """The slot size class of a block: its length rounded up to 64 bytes."""
-    return -(-block_bytes // SLOT_ALIGN) * SLOT_ALIGN
-
-
-class SharedArena:
-    """A file in a tmpfs mapped read-write. Created with mode 0600 by the server."""
-
-    def __init__(self, path: str, size: int, create: bool) -> None:
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o600)
-        try:
-            if create:
-                os.ftruncate(fd, size)
-            self.map = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        self.path, self.size = path, size
-        self.buffer = memoryview(self.map)
-
-    def prefault(self) -> None:
-        """Allocate every page of the arena now (blocking; run it in a thread).
-
-        Pages of a tmpfs file are otherwise allocated and zeroed on first touch, which halves
-        the speed of the first write into each slot. Raises OSError if /dev/shm is too small.
-        """
-        fd = os.open(self.path, os.O_RDWR)
-        try:
-            os.posix_fallocate(fd, 0, self.size)
-        finally:
-            os.close(fd)
-
-    def view(self, offset: int, length: int) -> memoryview:
-        """A writable view of ``length`` bytes at ``offset``; no copy."""
-        return self.buffer[offset : offset + length]
-
-    def close(self) -> None:
-        """Unmap. Views still held elsewhere keep the mapping alive until they go away."""
-        # Views exported from the map may still be alive; then the OS unmaps at process exit.
-        with contextlib.suppress(BufferError):
-            self.buffer.release()
-            self.map.close()
-
-    def unlink(self) -> None:
-        Path(self.path).unlink(missing_ok=True)
-
-
-class Pinned(NamedTuple):
-    """A committed slot pinned for reading: unpin it with ``ArenaTier.unpin(offset)``."""
-
-    offset: int
-    length: int
-    checksum: int
-
-
-class SlotInfo(NamedTuple):
-    key: StoreKey
-    length: int
-    checksum: int
+from kvkeep.store.shm import SharedArena
+from kvkeep.store.slots import (
+    INTERNAL,
+    ArenaConfig,
+    Holder,
+    Offset,
+    Pinned,
+    SlotInfo,
+    slot_bytes_for,
+)
 
 
 @dataclass
 class _Slot:
     key: StoreKey
     length: int
+    owner: Holder  # who reserved it; its reservation ends at commit
     checksum: int = 0
-    pins: int = 1
     committed: bool = False
+    pins: dict[Holder, int] = field(default_factory=dict)  # no zero entries
 
 
 @dataclass
 class _Extent:
     index: int
     slot_bytes: int = 0  # 0: free extent
-    free: list[int] = field(default_factory=list)
+    free: list[Offset] = field(default_factory=list)
 
 
 @dataclass
@@ -153,8 +77,9 @@ class ArenaTier:
         self._lock = threading.Lock()
         self._extents = [_Extent(i) for i in range(config.num_extents)]
         self._classes: dict[int, _SizeClass] = {}
-        self._slots: dict[int, _Slot] = {}
-        self._index: dict[StoreKey, int] = {}  # committed or reserved key -> offset
+        self._slots: dict[Offset, _Slot] = {}
+        self._index: dict[StoreKey, Offset] = {}  # committed or reserved key -> offset
+        self._held: dict[Holder, set[Offset]] = {}  # slots a holder pins or has reserved
         self._counters = TierCounters()
         self._bytes_used = 0
         # Called with (key, bytes, checksum) of every committed block about to leave RAM,
@@ -164,8 +89,9 @@ class ArenaTier:
 
     # --- slot API (the data plane) -------------------------------------------------------
 
-    def reserve(self, key: StoreKey, length: int) -> int | None:
-        """A slot to write ``length`` bytes into for ``key``, invisible until ``commit``.
+    def reserve(self, key: StoreKey, length: int, holder: Holder = INTERNAL) -> Offset | None:
+        """A slot for ``holder`` to write ``length`` bytes of ``key`` into, invisible until
+        ``commit``.
 
         Returns None if the key is already stored or being written, the block is larger than
         an extent, or every candidate slot is pinned. May evict unpinned blocks.
@@ -177,42 +103,48 @@ class ArenaTier:
                 return None
             offset = self._allocate(slot_bytes_for(length))
             if offset is not None:
-                self._slots[offset] = _Slot(key, length)
+                self._slots[offset] = _Slot(key, length, holder)
                 self._index[key] = offset
+                self._held.setdefault(holder, set()).add(offset)
             return offset
 
-    def commit(self, offset: int, checksum: int, keep_pin: bool = False) -> bool:
-        """Make a reserved slot visible with its checksum. False if ``offset`` is not reserved.
-
-        With ``keep_pin`` the caller keeps the writer's pin and must ``unpin`` later.
-        """
+    def commit(
+        self,
+        offset: Offset,
+        checksum: int,
+        holder: Holder = INTERNAL,
+        pin_for: Holder | None = None,
+    ) -> bool:
+        """Make a slot ``holder`` reserved visible with its checksum; with ``pin_for``, pinned
+        for that holder at once (nothing can evict it in between). False, and nothing changes,
+        if ``offset`` is not a slot ``holder`` reserved."""
         with self._lock:
             slot = self._slots.get(offset)
-            if slot is None or slot.committed:
+            if slot is None or slot.committed or slot.owner != holder:
                 return False
             slot.committed, slot.checksum = True, checksum
-            slot.pins -= 0 if keep_pin else 1
+            self._unhold(holder, offset)
+            if pin_for is not None:
+                self._pin(slot, offset, pin_for)
             self._class_of(offset).lru.add(offset)
             self._counters.bytes_in += slot.length
             self._bytes_used += slot.length
             return True
 
-    def abort(self, offset: int) -> None:
-        """Free a reserved, uncommitted slot. A no-op for any other offset."""
+    def abort(self, offset: Offset, holder: Holder = INTERNAL) -> bool:
+        """Free a slot ``holder`` reserved and has not committed. False (a no-op) otherwise."""
         with self._lock:
-            slot = self._slots.get(offset)
-            if slot is not None and not slot.committed:
-                self._free(offset)
+            return self._abort(offset, holder)
 
-    def pin(self, key: StoreKey) -> Pinned | None:
-        """Pin the committed block for reading and mark it most recent; None on a miss."""
+    def pin(self, key: StoreKey, holder: Holder = INTERNAL) -> Pinned | None:
+        """Pin the committed block for ``holder`` and mark it most recent; None on a miss."""
         with self._lock:
-            offset = self._index.get(key, -1)
-            slot = self._slots.get(offset)
-            if slot is None or not slot.committed:
+            offset = self._index.get(key)
+            slot = self._slots.get(offset) if offset is not None else None
+            if offset is None or slot is None or not slot.committed:
                 self._counters.misses += 1
                 return None
-            slot.pins += 1
+            self._pin(slot, offset, holder)
             self._class_of(offset).lru.touch(offset)
             self._counters.hits += 1
             self._counters.bytes_out += slot.length
@@ -223,30 +155,40 @@ class ArenaTier:
         A LOOKUP touches what it finds, so the blocks it promises are the last to be evicted
         before the worker's ACQUIRE, and prefixes in use stay in RAM."""
         with self._lock:
-            offset = self._index.get(key, -1)
-            slot = self._slots.get(offset)
-            if slot is None or not slot.committed:
+            offset = self._index.get(key)
+            if offset is None or not self._slots[offset].committed:
                 return False
             self._class_of(offset).lru.touch(offset)
             return True
 
-    def add_pin(self, offset: int) -> bool:
-        """Pin a committed slot by offset (write-behind). False if it is not committed."""
+    def unpin(self, offset: Offset, holder: Holder = INTERNAL) -> bool:
+        """Drop one of ``holder``'s pins on ``offset``. False (a no-op) if it holds none."""
         with self._lock:
             slot = self._slots.get(offset)
-            if slot is None or not slot.committed:
-                return False
-            slot.pins += 1
-            return True
+            return slot is not None and self._unpin(slot, offset, holder)
 
-    def unpin(self, offset: int) -> None:
-        """Drop one pin. Unpinning an unpinned or unknown slot is a no-op."""
+    def release(self, offset: Offset, holder: Holder) -> None:
+        """Abort ``holder``'s reservation of ``offset``, or else drop one of its pins there.
+        A no-op for a slot ``holder`` neither reserved nor pinned."""
         with self._lock:
             slot = self._slots.get(offset)
-            if slot is not None and slot.pins > 0:
-                slot.pins -= 1
+            if slot is None:
+                return
+            if slot.committed:
+                self._unpin(slot, offset, holder)
+            elif slot.owner == holder:
+                self._free(offset)
 
-    def discard_corrupt(self, offset: int) -> bool:
+    def drop_holder(self, holder: Holder) -> None:
+        """Abort every reservation and drop every pin of ``holder`` (its connection is gone)."""
+        with self._lock:
+            for offset in sorted(self._held.get(holder, ())):
+                slot = self._slots[offset]
+                if not self._abort(offset, holder):
+                    while self._unpin(slot, offset, holder):
+                        pass
+
+    def discard_corrupt(self, offset: Offset) -> bool:
         """Drop the committed, unpinned slot at ``offset`` if its bytes no longer match its
         checksum (counted in ``checksum_failures``); the bytes go to no lower tier. False,
         and nothing changes, for a slot that is intact, pinned, or not committed."""
@@ -261,10 +203,10 @@ class ArenaTier:
             self._free(offset)
             return True
 
-    def view(self, offset: int, length: int) -> memoryview:
+    def view(self, offset: Offset, length: int) -> memoryview:
         return self.arena.view(offset, length)
 
-    def committed(self, offset: int) -> SlotInfo | None:
+    def committed(self, offset: Offset) -> SlotInfo | None:
         """The key, length and checksum of a committed slot; None otherwise."""
         with self._lock:
             slot = self._slots.get(offset)
@@ -279,7 +221,8 @@ class ArenaTier:
     # --- Tier protocol ---------------------------------------------------------------------
 
     def contains(self, key: StoreKey) -> bool:
-        slot = self._slots.get(self._index.get(key, -1))
+        offset = self._index.get(key)
+        slot = self._slots.get(offset) if offset is not None else None
         return slot is not None and slot.committed
 
     def get(self, key: StoreKey, out: memoryview) -> Found | None:
@@ -304,9 +247,11 @@ class ArenaTier:
 
     def evict(self, key: StoreKey) -> bool:
         with self._lock:
-            offset = self._index.get(key, -1)
-            slot = self._slots.get(offset)
-            if slot is None or not slot.committed or slot.pins:
+            offset = self._index.get(key)
+            if offset is None:
+                return False
+            slot = self._slots[offset]
+            if not slot.committed or slot.pins:
                 return False
             self._evict(offset)
             return True
@@ -323,9 +268,51 @@ class ArenaTier:
         self.arena.close()
         self.arena.unlink()
 
-    # --- allocation (call with the lock held) ----------------------------------------------
+    def check_integrity(self) -> list[str]:
+        """Every way the slot accounting disagrees with itself, one message each; [] when
+        it is consistent. Takes the lock for O(slots + extents): for tests and diagnostics,
+        not for a hot path. Mutates nothing."""
+        with self._lock:
+            return list(self._problems())
 
-    def _allocate(self, slot_bytes: int) -> int | None:
+    # --- pins and reservations (lock held) -------------------------------------------------
+
+    def _pin(self, slot: _Slot, offset: Offset, holder: Holder) -> None:
+        # Hot path (ACQUIRE of 1,000-block prompts): no set built unless the holder is new.
+        slot.pins[holder] = slot.pins.get(holder, 0) + 1
+        held = self._held.get(holder)
+        if held is None:
+            held = self._held[holder] = set()
+        held.add(offset)
+
+    def _unpin(self, slot: _Slot, offset: Offset, holder: Holder) -> bool:
+        count = slot.pins.get(holder, 0)
+        if count == 0:
+            return False
+        if count == 1:
+            del slot.pins[holder]
+            self._unhold(holder, offset)
+        else:
+            slot.pins[holder] = count - 1
+        return True
+
+    def _abort(self, offset: Offset, holder: Holder) -> bool:
+        slot = self._slots.get(offset)
+        if slot is None or slot.committed or slot.owner != holder:
+            return False
+        self._free(offset)
+        return True
+
+    def _unhold(self, holder: Holder, offset: Offset) -> None:
+        held = self._held.get(holder)
+        if held is not None:
+            held.discard(offset)
+            if not held:
+                del self._held[holder]
+
+    # --- allocation (lock held) ------------------------------------------------------------
+
+    def _allocate(self, slot_bytes: int) -> Offset | None:
         cls = self._classes.setdefault(slot_bytes, _SizeClass(slot_bytes))
         for owned in cls.extents:
             if owned.free:
@@ -342,20 +329,17 @@ class ArenaTier:
         return next((e for e in self._extents if e.slot_bytes == 0), None)
 
     def _carve(self, extent: _Extent, cls: _SizeClass) -> None:
-        base, count = (
-            extent.index * self.config.extent_bytes,
-            self.config.extent_bytes // cls.slot_bytes,
-        )
+        base, count = self._base(extent), self.config.extent_bytes // cls.slot_bytes
         extent.slot_bytes = cls.slot_bytes
-        extent.free = [base + i * cls.slot_bytes for i in reversed(range(count))]
+        extent.free = [Offset(base + i * cls.slot_bytes) for i in reversed(range(count))]
         cls.extents.append(extent)
 
-    def _evict_lru(self, cls: _SizeClass) -> int | None:
-        victim = next((o for o in cls.lru.victims() if self._slots[o].pins == 0), None)
+    def _evict_lru(self, cls: _SizeClass) -> Offset | None:
+        victim = next((o for o in cls.lru.victims() if not self._slots[Offset(o)].pins), None)
         if victim is None:
             return None
-        self._evict(victim)
-        return self._extent_of(victim).free.pop()
+        self._evict(Offset(victim))
+        return self._extent_of(Offset(victim)).free.pop()
 
     def _steal_extent(self) -> _Extent | None:
         """Empty one extent of the class holding most extents, if none of its slots is in use."""
@@ -368,23 +352,19 @@ class ArenaTier:
         return None
 
     def _extent_idle(self, extent: _Extent) -> bool:
-        base, end = (
-            extent.index * self.config.extent_bytes,
-            (extent.index + 1) * self.config.extent_bytes,
-        )
-        return all(s.committed and s.pins == 0 for o, s in self._slots.items() if base <= o < end)
+        return all(self._slots[o].committed and not self._slots[o].pins for o in self._live(extent))
 
     def _release_extent(self, donor: _SizeClass, extent: _Extent) -> None:
-        base, end = (
-            extent.index * self.config.extent_bytes,
-            (extent.index + 1) * self.config.extent_bytes,
-        )
-        for offset in [o for o in self._slots if base <= o < end]:
+        for offset in self._live(extent):
             self._evict(offset)
         donor.extents.remove(extent)
         extent.slot_bytes, extent.free = 0, []
 
-    def _evict(self, offset: int) -> None:
+    def _live(self, extent: _Extent) -> list[Offset]:
+        base, end = self._base(extent), self._base(extent) + self.config.extent_bytes
+        return [o for o in self._slots if base <= o < end]
+
+    def _evict(self, offset: Offset) -> None:
         slot = self._slots[offset]
         if self.on_evict is not None:
             self.on_evict(slot.key, self.view(offset, slot.length), slot.checksum)
@@ -392,15 +372,89 @@ class ArenaTier:
         self._bytes_used -= slot.length
         self._free(offset)
 
-    def _free(self, offset: int) -> None:
+    def _free(self, offset: Offset) -> None:
         slot = self._slots.pop(offset)
         if self._index.get(slot.key) == offset:
             del self._index[slot.key]
+        if not slot.committed:
+            self._unhold(slot.owner, offset)
         self._class_of(offset).lru.remove(offset)
         self._extent_of(offset).free.append(offset)
 
-    def _extent_of(self, offset: int) -> _Extent:
+    def _base(self, extent: _Extent) -> int:
+        return extent.index * self.config.extent_bytes
+
+    def _extent_of(self, offset: Offset) -> _Extent:
         return self._extents[offset // self.config.extent_bytes]
 
-    def _class_of(self, offset: int) -> _SizeClass:
+    def _class_of(self, offset: Offset) -> _SizeClass:
         return self._classes[self._extent_of(offset).slot_bytes]
+
+    # --- integrity (lock held) -------------------------------------------------------------
+
+    def _problems(self) -> Iterator[str]:
+        live: dict[int, list[Offset]] = {}  # extent index -> its live slots, in one pass
+        for offset in self._slots:
+            live.setdefault(offset // self.config.extent_bytes, []).append(offset)
+        yield from self._index_problems()
+        yield from self._pin_problems()
+        for extent in self._extents:
+            yield from self._extent_problems(extent, live.get(extent.index, []))
+        yield from self._class_problems(live)
+        committed = sum(s.length for s in self._slots.values() if s.committed)
+        if committed != self._bytes_used:
+            yield f"bytes_used {self._bytes_used} != {committed} committed bytes"
+
+    def _index_problems(self) -> Iterator[str]:
+        for key, offset in self._index.items():
+            slot = self._slots.get(offset)
+            if slot is None or slot.key != key:
+                yield f"index: key {key.hex()[:16]} -> {offset}, a slot of another key or none"
+        for offset, slot in self._slots.items():
+            if self._index.get(slot.key) != offset:
+                yield f"slot {offset}: its key is not indexed to it"
+
+    def _pin_problems(self) -> Iterator[str]:
+        expected: dict[Holder, set[Offset]] = {}
+        for offset, slot in self._slots.items():
+            if any(count <= 0 for count in slot.pins.values()):
+                yield f"slot {offset}: a pin count <= 0: {slot.pins}"
+            if slot.pins and not slot.committed:
+                yield f"slot {offset}: pinned but not committed"
+            holders = [*slot.pins, *([] if slot.committed else [slot.owner])]
+            for holder in holders:
+                expected.setdefault(holder, set()).add(offset)
+        if expected != self._held:
+            yield f"holders' slots {self._held} != those the slots name {expected}"
+
+    def _extent_problems(self, extent: _Extent, live: list[Offset]) -> Iterator[str]:
+        free = extent.free
+        if extent.slot_bytes == 0:
+            if live or free:
+                yield f"extent {extent.index}: free, yet has slots"
+            return
+        base, size = self._base(extent), extent.slot_bytes
+        if len(set(free)) != len(free) or set(free) & set(live):
+            yield f"extent {extent.index}: free list repeats or holds a live slot"
+        if len(free) + len(live) != self.config.extent_bytes // size:
+            yield f"extent {extent.index}: {len(free)} free + {len(live)} live slots"
+        for offset in [*free, *live]:
+            if (offset - base) % size or offset // self.config.extent_bytes != extent.index:
+                yield f"extent {extent.index}: offset {offset} is not a slot boundary"
+        for offset in live:
+            if self._slots[offset].length > size:
+                yield f"slot {offset}: {self._slots[offset].length} bytes in a {size} slot"
+
+    def _class_problems(self, live: dict[int, list[Offset]]) -> Iterator[str]:
+        carved = {e.index for e in self._extents if e.slot_bytes}
+        owned = [e.index for c in self._classes.values() for e in c.extents]
+        if sorted(owned) != sorted(carved):
+            yield f"classes own extents {sorted(owned)}, carved are {sorted(carved)}"
+        for cls in self._classes.values():
+            if any(e.slot_bytes != cls.slot_bytes for e in cls.extents):
+                yield f"class {cls.slot_bytes}: owns an extent of another size"
+            slots = [o for e in cls.extents for o in live.get(e.index, [])]
+            committed = {o for o in slots if self._slots[o].committed}
+            lru = list(cls.lru.victims())
+            if len(lru) != len(set(lru)) or set(lru) != committed:
+                yield f"class {cls.slot_bytes}: LRU != its committed slots"

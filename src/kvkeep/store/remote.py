@@ -2,13 +2,13 @@
 
 Keys and values::
 
-    key   = PREFIX || store key (64 bytes: namespace digest || block key), binary-safe
+    key   = PREFIX || store key (64 bytes, see ``keyformat``), binary-safe
     value = "KVB1" | length u32 | crc32 u32 (little-endian) || payload
 
 The namespace digest in every key means two models, layouts or kvkeep formats never alias;
-the prefix (default ``kvkeep:1:``) keeps kvkeep's keys apart from anything else in the
-database. Every load checks the payload against the CRC-32 it was stored with; a mismatch is a
-counted miss and the key is deleted.
+the prefix (default ``kvkeep:<key format version>:``) keeps kvkeep's keys apart from anything
+else in the database. Every load checks the payload against the CRC-32 it was stored with; a
+mismatch is a counted miss and the key is deleted.
 
 Capacity belongs to the remote server: kvkeep never deletes blocks to make room. Run it with
 ``maxmemory <size>`` and ``maxmemory-policy allkeys-lru`` so that old blocks go first; an
@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 from urllib.parse import unquote
 
 from kvkeep.store.base import Found, StoreKey, TierCounters, TierStats
+from kvkeep.store.keyformat import REMOTE_KEY_PREFIX
 from kvkeep.store.throttle import Breaker, TokenBucket
 
 log = logging.getLogger("kvkeep.remote")
@@ -123,7 +124,7 @@ class RemoteConfig:
     write_rate_bytes: int = 64 << 20
     queue_bytes: int = 64 << 20
     ttl_s: int = 0
-    key_prefix: bytes = b"kvkeep:1:"
+    key_prefix: bytes = REMOTE_KEY_PREFIX
     known_keys: int = 1 << 16
     backoff_s: float = 0.5
     max_backoff_s: float = 5.0

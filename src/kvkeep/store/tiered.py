@@ -1,10 +1,15 @@
-"""The tiered store: the RAM arena on top of an ordered list of lower tiers.
+"""The tiered store: the RAM arena on top of an ordered list of lower tiers, and the server's
+only door into storage.
 
 - ``lookup`` returns the longest contiguous prefix of keys present in any tier.
-- ``acquire`` pins a block in RAM, promoting it from the first lower tier that has it.
-- ``commit`` makes a block visible in RAM and queues it for write-through to every lower
-  tier. The queue is bounded: when it is full the write is dropped and counted, and the
-  caller never blocks. The writer thread pins the slot while it copies it out.
+- ``acquire_resident`` / ``acquire_below`` pin the leading present prefix for a ``Holder``
+  (one per connection), promoting blocks from the first lower tier that has them.
+- ``reserve_missing`` / ``commit`` / ``release`` write a block through a reserved RAM slot;
+  ``commit`` makes it visible and queues it for write-through to every lower tier. The queue
+  is bounded: when it is full the write is dropped and counted, and the caller never blocks.
+  The writer thread pins the slot (as ``INTERNAL``) while it copies it out.
+- ``drop`` forgets a holder: its reservations are aborted and its pins dropped. Pins are
+  counted in one place, the arena, per holder.
 - Lower tiers named in ``WriteBehindConfig.on_evict`` are skipped by write-through and given
   the block instead when RAM evicts it (the remote tier's "write on eviction" policy).
 """
@@ -12,15 +17,19 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
 import queue
 import threading
+from collections import Counter
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvkeep.store.base import StoreKey, Tier, checksum
-from kvkeep.store.memory import ArenaTier, Pinned
+from kvkeep.store.memory import ArenaTier
+from kvkeep.store.slots import INTERNAL, Holder, Offset, Pinned
 
 log = logging.getLogger("kvkeep.store")
 
@@ -56,36 +65,69 @@ class ReserveStatus(enum.Enum):
 
 class Reservation(NamedTuple):
     status: ReserveStatus
-    offset: int = -1
+    offset: Offset | None = None  # set when RESERVED
+
+
+class Reserved(NamedTuple):
+    """``keys[key_index]`` may be written into the RAM slot at ``offset``."""
+
+    key_index: int
+    offset: Offset
+
+
+class ArenaInfo(NamedTuple):
+    """What a client needs to map the arena, and the largest block it can hold."""
+
+    path: str
+    size: int
+    max_block_bytes: int
 
 
 class _Write(NamedTuple):
     key: StoreKey
-    offset: int
+    offset: Offset
     length: int
     crc: int
 
 
 class TieredStore:
-    """Thread-safe. ``tiers[0]`` is the arena; blocks found in ``tiers[i>0]`` move up."""
+    """Thread-safe. ``tiers[0]`` is the arena; blocks found in ``tiers[i>0]`` move up.
+
+    Methods that take a ``holder`` act for it (default: ``INTERNAL``, the store's own and
+    in-process callers'); a holder can only commit, abort or unpin what it reserved or pinned.
+    """
 
     def __init__(self, ram: ArenaTier, lower: Sequence[Tier], config: WriteBehindConfig) -> None:
-        self.ram = ram
-        self.lower = list(lower)
-        self.tiers: list[Tier] = [ram, *self.lower]
-        unknown = config.on_evict - {t.name for t in self.lower}
+        self._ram = ram
+        self._lower = list(lower)
+        self.tiers: list[Tier] = [ram, *self._lower]
+        unknown = config.on_evict - {t.name for t in self._lower}
         if unknown:
             raise ValueError(f"on_evict names tiers {sorted(unknown)} that are not configured")
-        self._through = [t for t in self.lower if t.name not in config.on_evict]
-        self._spill = [t for t in self.lower if t.name in config.on_evict]
+        self._through = [t for t in self._lower if t.name not in config.on_evict]
+        self._spill = [t for t in self._lower if t.name in config.on_evict]
         if self._spill:
             ram.on_evict = self._spill_evicted
+        self._holders = itertools.count(INTERNAL + 1)
+        self._loader = ThreadPoolExecutor(4, thread_name_prefix="kvkeep-load")
         self._queue: queue.Queue[_Write | None] = queue.Queue(config.queue_depth)
         self.dropped_writes = 0
         self.write_errors = 0
         self.corrupt_writes = 0  # blocks whose RAM bytes no longer matched at write-through
         self._writer = threading.Thread(target=self._write_loop, name="kvkeep-writer", daemon=True)
         self._writer.start()
+
+    # --- holders ---------------------------------------------------------------------------
+
+    def holder(self) -> Holder:
+        """A new holder for pins and reservations (one per connection). No I/O."""
+        return Holder(next(self._holders))
+
+    def drop(self, holder: Holder) -> None:
+        """Abort every reservation and drop every pin ``holder`` has. Idempotent."""
+        self._ram.drop_holder(holder)
+
+    # --- lookup ----------------------------------------------------------------------------
 
     def lookup(self, keys: Sequence[StoreKey]) -> Lookup:
         """Longest contiguous present prefix across tiers. RAM hits become most recent (the
@@ -97,15 +139,15 @@ class TieredStore:
         """
         # Hot path (1,000-key prompts within a millisecond): bound methods, no generators
         # while RAM hits.
-        ram_contains = self.ram.touch
-        probes = [(level, _Probe(tier, keys).has) for level, tier in enumerate(self.lower, 1)]
+        ram_contains = self._ram.touch
+        probes = [(level, _Probe(tier, keys).has) for level, tier in enumerate(self._lower, 1)]
         tiers: list[int] = []
         for index, key in enumerate(keys):
             if ram_contains(key):
                 tiers.append(0)
                 continue
-            level = next((lv for lv, has in probes if has(index)), -1)
-            if level < 0:
+            level = next((lv for lv, has in probes if has(index)), None)
+            if level is None:
                 break
             tiers.append(level)
         return Lookup(len(tiers), tuple(tiers))
@@ -113,50 +155,129 @@ class TieredStore:
     @property
     def may_block(self) -> bool:
         """Whether ``lookup`` can wait on the network (a lower tier answers in batches)."""
-        return any(hasattr(t, "contains_many") for t in self.lower)
+        return any(hasattr(t, "contains_many") for t in self._lower)
 
     def held_below(self, key: StoreKey) -> bool:
         """Whether a lower tier says it probably holds ``key``, from local knowledge (no I/O)."""
-        return any(t.contains(key) for t in self.lower)
+        return any(t.contains(key) for t in self._lower)
 
-    def reserve(self, key: StoreKey, length: int) -> Reservation:
-        """A RAM slot to write ``key`` into, unless some tier already holds it."""
-        if any(t.contains(key) for t in self.lower):
+    # --- writing ---------------------------------------------------------------------------
+
+    def reserve(self, key: StoreKey, length: int, holder: Holder = INTERNAL) -> Reservation:
+        """A RAM slot for ``holder`` to write ``key`` into, unless some tier already holds it."""
+        if any(t.contains(key) for t in self._lower):
             return Reservation(ReserveStatus.PRESENT)
-        offset = self.ram.reserve(key, length)
+        offset = self._ram.reserve(key, length, holder)
         if offset is not None:
             return Reservation(ReserveStatus.RESERVED, offset)
-        if self.ram.holds(key):
+        if self._ram.holds(key):
             return Reservation(ReserveStatus.PRESENT)
         return Reservation(ReserveStatus.FULL)
 
-    def commit(self, offset: int, crc: int) -> bool:
-        """Publish a reserved slot and queue it for the lower tiers; never blocks."""
+    def reserve_missing(
+        self, keys: Sequence[StoreKey], length: int, holder: Holder
+    ) -> list[Reserved]:
+        """Slots for the ``keys`` no tier holds, in order; stops at the first key no slot can
+        be freed for (RAM is all pinned). May evict unpinned blocks."""
+        reserved = []
+        for index, key in enumerate(keys):
+            reservation = self.reserve(key, length, holder)
+            if reservation.status is ReserveStatus.FULL:
+                break
+            if reservation.offset is not None:
+                reserved.append(Reserved(index, reservation.offset))
+        return reserved
+
+    def commit(self, offset: Offset, crc: int, holder: Holder = INTERNAL) -> bool:
+        """Publish a slot ``holder`` reserved and queue it for the lower tiers; never blocks.
+        False if ``holder`` has no reservation at ``offset``."""
         # The writer's pin is taken atomically with the commit so the slot cannot be evicted
         # before the write-through copies it out.
-        if not self.ram.commit(offset, crc, keep_pin=bool(self._through)):
+        pin_for = INTERNAL if self._through else None
+        if not self._ram.commit(offset, crc, holder, pin_for):
             return False
-        info = self.ram.committed(offset)
+        info = self._ram.committed(offset)
         if self._through and info is not None:
             self._enqueue(_Write(info.key, offset, info.length, crc))
         return True
 
-    def acquire(self, key: StoreKey, length: int) -> Pinned | None:
-        """Pin ``key`` in RAM, promoting it from a lower tier; None on a miss.
+    def release(self, offset: Offset, holder: Holder = INTERNAL) -> None:
+        """Abort ``holder``'s reservation at ``offset``, or drop one of its pins there; a
+        no-op for a slot it neither reserved nor pinned."""
+        self._ram.release(offset, holder)
+
+    def discard_corrupt(self, offset: Offset) -> bool:
+        """Drop the unpinned RAM block at ``offset`` if its bytes fail its checksum (so a
+        later save can replace it); False, and nothing changes, otherwise."""
+        return self._ram.discard_corrupt(offset)
+
+    # --- reading ---------------------------------------------------------------------------
+
+    def acquire(self, key: StoreKey, length: int, holder: Holder = INTERNAL) -> Pinned | None:
+        """Pin ``key`` in RAM for ``holder``, promoting it from a lower tier; None on a miss.
 
         Blocks on disk I/O when promoting: call it off the event loop in that case. A lower
         tier's checksum failure is a miss. The caller must ``release`` the returned offset.
         """
-        pinned = self.ram.pin(key)
+        pinned = self._ram.pin(key, holder)
         if pinned is not None:
             return pinned
-        for tier in self.lower:
+        for tier in self._lower:
             if tier.contains(key):
-                return self._promote(tier, key, length)
+                return self._promote(tier, key, length, holder)
         return None
 
-    def release(self, offset: int) -> None:
-        self.ram.unpin(offset)
+    def acquire_resident(self, keys: Sequence[StoreKey], holder: Holder) -> list[Pinned]:
+        """Pin for ``holder`` the leading ``keys`` that are in RAM; stops at the first that
+        is not. Never blocks: the event loop's fast path."""
+        pinned = []
+        for key in keys:
+            hit = self._ram.pin(key, holder)
+            if hit is None:
+                break
+            pinned.append(hit)
+        return pinned
+
+    def acquire_below(self, keys: Sequence[StoreKey], length: int, holder: Holder) -> list[Pinned]:
+        """Pin for ``holder`` the leading present ``keys``, promoting each from a lower tier
+        (loaded in parallel: several reads in flight keep the disk queue full and overlap
+        CRC checks with I/O). Blocks on I/O: call it off the event loop. A block loaded past
+        the first miss is promoted but not pinned for ``holder``."""
+        hits = list(self._loader.map(lambda key: self.acquire(key, length, holder), keys))
+        leading = [hit for hit in itertools.takewhile(lambda h: h is not None, hits) if hit]
+        for hit in hits[len(leading) :]:
+            if hit is not None:
+                self._ram.unpin(hit.offset, holder)
+        return leading
+
+    def view(self, offset: Offset, length: int) -> memoryview:
+        """The bytes of a RAM slot (a reserved one to write, a pinned one to read); no copy."""
+        return self._ram.view(offset, length)
+
+    # --- the server's view -----------------------------------------------------------------
+
+    @property
+    def arena(self) -> ArenaInfo:
+        ram = self._ram
+        return ArenaInfo(ram.arena.path, ram.arena.size, ram.config.extent_bytes)
+
+    def prefault(self) -> None:
+        """Allocate the arena's pages now (blocking); raises OSError if /dev/shm is too small."""
+        self._ram.arena.prefault()
+
+    def namespace_blocks(self) -> Counter[bytes]:
+        """Blocks held per namespace digest in the lower tiers that can count them (disk).
+        O(blocks): call it off the event loop."""
+        counts: Counter[bytes] = Counter()
+        for tier in self._lower:
+            count = getattr(tier, "namespace_blocks", None)
+            if count is not None:
+                counts.update(count())
+        return counts
+
+    def check_integrity(self) -> list[str]:
+        """The arena's accounting problems (``ArenaTier.check_integrity``); [] when sound."""
+        return self._ram.check_integrity()
 
     def flush(self) -> None:
         """Block until every queued write has reached the lower tiers."""
@@ -167,11 +288,12 @@ class TieredStore:
         self.flush()
         self._queue.put(None)
         self._writer.join()
-        for tier in self.lower:
+        self._loader.shutdown()
+        for tier in self._lower:
             close = getattr(tier, "close", None)
             if close is not None:
                 close()
-        self.ram.close()
+        self._ram.close()
 
     def stats(self) -> dict[str, object]:
         """Per-tier counters and occupancy plus write-behind state; a snapshot."""
@@ -182,24 +304,29 @@ class TieredStore:
             "corrupt_writes": self.corrupt_writes,
             "queue_depth": self._queue.qsize(),
             "pending_writes": self._queue.unfinished_tasks,
+            "rebuild_s": sum(getattr(t, "rebuild_seconds", 0.0) for t in self._lower),
         }
 
-    def _promote(self, tier: Tier, key: StoreKey, length: int) -> Pinned | None:
-        offset = self.ram.reserve(key, length)
+    # --- plumbing --------------------------------------------------------------------------
+
+    def _promote(self, tier: Tier, key: StoreKey, length: int, holder: Holder) -> Pinned | None:
+        # The reservation is INTERNAL, not the holder's: dropping the holder must never free
+        # a slot this thread is still writing into.
+        offset = self._ram.reserve(key, length)
         if offset is None:
-            return self.ram.pin(key)  # another reader is promoting it, or RAM is all pinned
-        found = tier.get(key, self.ram.view(offset, length))
+            return self._ram.pin(key, holder)  # another reader is promoting it, or RAM is full
+        found = tier.get(key, self._ram.view(offset, length))
         if found is None or found.length != length:
-            self.ram.abort(offset)
+            self._ram.abort(offset)
             return None
-        self.ram.commit(offset, found.checksum, keep_pin=True)
+        self._ram.commit(offset, found.checksum, pin_for=holder)
         return Pinned(offset, length, found.checksum)
 
     def _enqueue(self, write: _Write) -> None:
         try:
             self._queue.put_nowait(write)
         except queue.Full:
-            self.ram.unpin(write.offset)
+            self._ram.unpin(write.offset)
             self.dropped_writes += 1
 
     def _write_loop(self) -> None:
@@ -207,7 +334,7 @@ class TieredStore:
             try:
                 self._write_through(write)
             finally:
-                self.ram.unpin(write.offset)
+                self._ram.unpin(write.offset)
                 self._queue.task_done()
         self._queue.task_done()
 
@@ -222,7 +349,7 @@ class TieredStore:
     def _write_through(self, write: _Write) -> None:
         if not self._through:
             return
-        data = self.ram.view(write.offset, write.length)
+        data = self._ram.view(write.offset, write.length)
         if not verify(data, write.crc):
             # The RAM copy went bad after its commit (a scribble, a faulty writer). Persisting
             # it would only turn one miss into a miss that outlives the server.
