@@ -7,11 +7,10 @@ from pathlib import Path
 import pytest
 
 from kvkeep.bench import report
-from kvkeep.bench.agents import summarize_agents
 from kvkeep.bench.capacity import CapacitySpec, capacity_documents
 from kvkeep.bench.probe import Counters, cacheable_tokens, hit_split
 from kvkeep.bench.restart import _flatten
-from kvkeep.bench.runner import TurnResult
+from kvkeep.bench.runner import TurnResult, summarize_agents
 
 
 def test_cacheable_tokens_never_include_the_last_token() -> None:

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from kvkeep.bench.launch import LaunchConfig, LaunchError, VLLMServer, launch
-from kvkeep.bench.runner import complete_ids, discover_model
+from kvkeep.endpoint import complete_ids, discover_model
 
 pytestmark = pytest.mark.e2e
 

@@ -35,11 +35,11 @@ from kvkeep.bench.criterion import same_as_cold, same_as_hit
 from kvkeep.bench.launch import LaunchConfig, VLLMServer
 from kvkeep.bench.runner import TurnResult, run_agents
 from kvkeep.bench.soak import engine_counters
-from kvkeep.bench.workload import HFTokenizer, SessionSpec, generate_sessions
 from kvkeep.model import TinyModelSpec, write_tiny_model
 from kvkeep.serve import CacheServerConfig, CacheServerProcess
 from kvkeep.server.client import KVKeepClient
 from kvkeep.store.disk import read_index
+from kvkeep.workload import HFTokenizer, SessionSpec, generate_sessions
 
 from .engine import Reference, Served, complete, reference
 

@@ -13,7 +13,6 @@ fits in the device pool, so the scenario reports that ratio next to the results.
 from __future__ import annotations
 
 import asyncio
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -21,10 +20,8 @@ from typing import Any
 from tqdm import tqdm
 
 from kvkeep.bench.probe import Probe, hit_split
-from kvkeep.bench.runner import TurnResult, run_agents
-from kvkeep.bench.workload import SessionSpec, TokenCounter, generate_sessions
-
-LATE_TURNS = 5
+from kvkeep.bench.runner import run_agents, summarize_agents
+from kvkeep.workload import SessionSpec, TokenCounter, generate_sessions
 
 
 @dataclass
@@ -69,28 +66,6 @@ class AgentsScenario:
         if self.pool_tokens:
             out["pool_blocks"] = self.pool_tokens // self.block_size
         return out
-
-
-def summarize_agents(results: list[TurnResult], wall_s: float, agents: int) -> dict[str, Any]:
-    """Turns/min overall and per agent, the wait per turn, and the late-turn wait."""
-    by_agent: dict[int, list[TurnResult]] = {}
-    for r in sorted(results, key=lambda r: (r.agent, r.turn)):
-        by_agent.setdefault(r.agent, []).append(r)
-    late = [r.latency_s for rows in by_agent.values() for r in rows[-LATE_TURNS:]]
-    return {
-        "agents": agents,
-        "turns": len(results),
-        "wall_s": wall_s,
-        "turns_per_min": len(results) / (wall_s / 60),
-        "turns_per_min_per_agent": {
-            str(a): len(rows) / (max(r.start_s + r.latency_s for r in rows) / 60)
-            for a, rows in by_agent.items()
-        },
-        "wait_per_turn_s": {str(a): [r.latency_s for r in rows] for a, rows in by_agent.items()},
-        "mean_wait_s": statistics.fmean(r.latency_s for r in results),
-        "late_turn_wait_s": statistics.fmean(late),
-        "mean_ttft_s": statistics.fmean(r.ttft_s for r in results),
-    }
 
 
 def main(argv: list[str]) -> int:

@@ -28,10 +28,10 @@ from kvkeep.bench.agents import AgentsScenario
 from kvkeep.bench.capacity import CapacityScenario, CapacitySpec
 from kvkeep.bench.environment import environment
 from kvkeep.bench.hol import HOLScenario
-from kvkeep.bench.launch import MODES, LaunchConfig, LaunchError, VLLMServer
-from kvkeep.bench.restart import Cache, RestartScenario, RestartSpec, cache_server, dev_env
+from kvkeep.bench.launch import MODES, LaunchConfig, LaunchError, VLLMServer, dev_env
+from kvkeep.bench.restart import Cache, RestartScenario, RestartSpec, cache_server
 from kvkeep.bench.scenarios import Scenario, SessionScenario, TTFTScenario, parse_modes
-from kvkeep.bench.workload import HFTokenizer, SessionSpec, TokenCounter
+from kvkeep.workload import HFTokenizer, SessionSpec, TokenCounter
 
 
 @dataclass(frozen=True)

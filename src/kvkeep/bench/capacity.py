@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from kvkeep.bench.documents import QUESTION_TOKENS, documents, question
 from kvkeep.bench.probe import Probe, cacheable_tokens, hit_split
-from kvkeep.bench.runner import complete_ids, discover_model
+from kvkeep.endpoint import complete_ids, discover_model
 
 
 @dataclass(frozen=True)

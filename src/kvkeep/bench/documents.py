@@ -16,9 +16,8 @@ from typing import Any
 import httpx
 
 from kvkeep.bench.probe import Probe, cacheable_tokens, hit_split
-from kvkeep.bench.runner import REQUEST_TIMEOUT_S, complete_ids, discover_model
-
-QUESTION_TOKENS = 16
+from kvkeep.endpoint import REQUEST_TIMEOUT_S, complete_ids, discover_model
+from kvkeep.workload import QUESTION_TOKENS
 
 
 def documents(count: int, tokens: int, seed: str) -> list[list[int]]:

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from kvkeep.bench.runner import complete_ids, discover_model
+from kvkeep.endpoint import complete_ids, discover_model
 
 REPEATS = 3
 

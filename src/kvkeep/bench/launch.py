@@ -177,6 +177,11 @@ def cache_server(ram: str = "2GiB", socket_path: str | None = None) -> Iterator[
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def dev_env(cfg: LaunchConfig) -> LaunchConfig:
+    """`cfg` with vLLM's dev endpoints on (`/reset_prefix_cache` empties the device cache)."""
+    return replace(cfg, extra_env=(*cfg.extra_env, ("VLLM_SERVER_DEV_MODE", "1")))
+
+
 def _gib_arg(gib: float) -> str:
     return str(int(gib)) if float(gib).is_integer() else str(gib)
 

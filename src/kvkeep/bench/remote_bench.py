@@ -32,21 +32,15 @@ from typing import Any
 import httpx
 
 from kvkeep.bench.documents import QUESTION_TOKENS, documents, query, reset_device_cache
-from kvkeep.bench.launch import LaunchConfig, VLLMServer
+from kvkeep.bench.launch import LaunchConfig, VLLMServer, dev_env
 from kvkeep.bench.probe import Counters, Probe, hit_split
-from kvkeep.bench.restart import dev_env
-from kvkeep.bench.runner import (
-    REQUEST_TIMEOUT_S,
-    TurnResult,
-    chat_turn,
-    complete_ids,
-    discover_model,
-)
-from kvkeep.bench.workload import SessionSpec, TokenCounter, Turn, generate_sessions
+from kvkeep.bench.runner import TurnResult, summarize_agents
+from kvkeep.endpoint import REQUEST_TIMEOUT_S, chat_turn, complete_ids, discover_model
 from kvkeep.plan.footprint import footprint_from_file
 from kvkeep.serve import CacheServerConfig, CacheServerProcess
 from kvkeep.server.client import KVKeepClient
 from kvkeep.store.redis_process import RedisProcess
+from kvkeep.workload import SessionSpec, TokenCounter, Turn, generate_sessions
 
 
 @dataclass(frozen=True)
@@ -295,8 +289,6 @@ class ReplicatedAgentsScenario:
             return self._measure(probes, sessions)
 
     def _measure(self, probes: list[Probe], sessions: list[list[Turn]]) -> dict[str, Any]:
-        from kvkeep.bench.agents import summarize_agents
-
         before = [p.snapshot() for p in probes]
         t0 = time.perf_counter()
         urls = [p.url for p in probes]

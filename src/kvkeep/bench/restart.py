@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 
 from kvkeep.bench.documents import QUESTION_TOKENS, documents, query, reset_device_cache
-from kvkeep.bench.launch import LaunchConfig, VLLMServer
+from kvkeep.bench.launch import LaunchConfig, VLLMServer, dev_env
 from kvkeep.bench.probe import Probe
 from kvkeep.serve import CacheServerConfig, CacheServerProcess
 
@@ -82,11 +82,6 @@ class Cache:
             return client.stats()
         finally:
             client.close()
-
-
-def dev_env(cfg: LaunchConfig) -> LaunchConfig:
-    """`cfg` with vLLM's dev endpoints on (`/reset_prefix_cache` empties the device cache)."""
-    return replace(cfg, extra_env=(*cfg.extra_env, ("VLLM_SERVER_DEV_MODE", "1")))
 
 
 @contextlib.contextmanager

@@ -27,15 +27,9 @@ from tqdm import tqdm
 from kvkeep.bench import report
 from kvkeep.bench.environment import environment
 from kvkeep.bench.launch import MODES, LaunchConfig, LaunchError, VLLMServer, cache_server
-from kvkeep.bench.runner import (
-    TurnResult,
-    complete_ids,
-    discover_model,
-    metrics_delta,
-    run_agents,
-    scrape_metrics,
-)
-from kvkeep.bench.workload import (
+from kvkeep.bench.runner import TurnResult, metrics_delta, run_agents, scrape_metrics
+from kvkeep.endpoint import complete_ids, discover_model
+from kvkeep.workload import (
     DEFAULT_SCALE,
     CharEstimate,
     HFTokenizer,

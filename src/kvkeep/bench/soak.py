@@ -58,8 +58,8 @@ import psutil
 from kvkeep.bench.criterion import DRIFT_TOL, TOP_ALTERNATIVES, Verdict, same_as_cold
 from kvkeep.bench.criterion import Reply as Judged
 from kvkeep.bench.launch import LaunchConfig, VLLMServer
-from kvkeep.bench.workload import HFTokenizer, SessionSpec, Turn, generate_sessions
 from kvkeep.serve import CacheServerConfig, CacheServerProcess
+from kvkeep.workload import HFTokenizer, SessionSpec, Turn, generate_sessions
 
 REQUEST_TIMEOUT_S = 300.0
 
