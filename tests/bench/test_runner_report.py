@@ -1,8 +1,9 @@
 from pathlib import Path
 
 from kvkeep.bench import report
-from kvkeep.bench.runner import TurnResult, metrics_delta, parse_prometheus
-from kvkeep.bench.scenarios import summarize_session
+from kvkeep.bench.http import TurnResult
+from kvkeep.bench.metrics import metrics_delta, parse_prometheus
+from kvkeep.bench.scenarios.session import summarize_session
 
 PROM = """# HELP vllm:prefix_cache_hits_total hits
 # TYPE vllm:prefix_cache_hits_total counter
@@ -69,7 +70,7 @@ def test_report_writes_tables_json_and_plots(tmp_path: Path) -> None:
 
 
 def test_root_cause_skips_warnings_and_wrapper_errors(tmp_path: Path) -> None:
-    from kvkeep.bench.launch import root_cause
+    from kvkeep.bench.deploy.vllm import root_cause
 
     log = tmp_path / "vllm.log"
     log.write_text(

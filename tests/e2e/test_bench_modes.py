@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvkeep.bench.launch import LaunchConfig, LaunchError, VLLMServer, launch
+from kvkeep.bench.deploy.vllm import LaunchConfig, LaunchError, VLLMServer, launch
 from kvkeep.endpoint import complete_ids, discover_model
 
 pytestmark = pytest.mark.e2e

@@ -32,9 +32,9 @@ import httpx
 import pytest
 
 from kvkeep.bench.criterion import same_as_cold, same_as_hit
-from kvkeep.bench.launch import LaunchConfig, VLLMServer
-from kvkeep.bench.runner import TurnResult, run_agents
-from kvkeep.bench.soak import engine_counters
+from kvkeep.bench.deploy.vllm import LaunchConfig, VLLMServer
+from kvkeep.bench.http import TurnResult, run_agents
+from kvkeep.bench.metrics import kvkeep_tokens
 from kvkeep.model import TinyModelSpec, write_tiny_model
 from kvkeep.serve import CacheServerConfig, CacheServerProcess
 from kvkeep.server.client import KVKeepClient
@@ -90,11 +90,11 @@ class Rig:
     def counters(self, settle_s: float = 2.0) -> dict[str, float]:
         """kvkeep's connector counters; stats reach the API server a step or two late, so
         read until two reads agree."""
-        last = engine_counters(self.url)
+        last = kvkeep_tokens(self.url)
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
             time.sleep(settle_s / 2)
-            now = engine_counters(self.url)
+            now = kvkeep_tokens(self.url)
             if now == last:
                 return now
             last = now

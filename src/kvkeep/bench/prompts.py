@@ -1,29 +1,28 @@
-"""Long-document prompts, shared by the capacity, restart and remote scenarios.
+"""Token-id prompts: long documents, the question appended to each, and querying them.
 
-A document is a run of token ids unique to its seed, so no two documents (and no two runs)
-share a prefix block. A query is a document followed by a short question, so that every
-query of a document shares its full blocks and differs only in its tail.
+A document is a run of token ids unique to its seed (`kvkeep.workload.random_ids`), so no two
+documents (and no two runs) share a prefix block. A query is a document followed by a short
+question, so that every query of a document shares its full blocks and differs only in its
+tail. Used by the capacity and restart scenarios.
 """
 
 from __future__ import annotations
 
 import asyncio
-import random
 import statistics
 import time
 from typing import Any
 
 import httpx
 
-from kvkeep.bench.probe import Probe, cacheable_tokens, hit_split
+from kvkeep.bench.metrics import Probe, cacheable_tokens, hit_split
 from kvkeep.endpoint import REQUEST_TIMEOUT_S, complete_ids, discover_model
-from kvkeep.workload import QUESTION_TOKENS
+from kvkeep.workload import QUESTION_TOKENS, random_ids
 
 
 def documents(count: int, tokens: int, seed: str) -> list[list[int]]:
     """`count` documents of `tokens` token ids, deterministic in `seed`."""
-    rng = random.Random(f"kvkeep-docs:{seed}")
-    return [[rng.randrange(100, 1000) for _ in range(tokens)] for _ in range(count)]
+    return [random_ids(tokens, f"docs:{seed}:{i}") for i in range(count)]
 
 
 def question(index: int, salt: int = 0) -> list[int]:
@@ -38,11 +37,12 @@ def query(probe: Probe, docs: list[list[int]], block_size: int, salt: int = 0) -
 
 async def _query(probe: Probe, docs: list[list[int]], block_size: int, salt: int) -> dict[str, Any]:
     before = probe.snapshot()
+    url = probe.current_url()
     ttfts, cacheable = [], 0
     async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as client:
-        model = await discover_model(client, probe.url)
+        model = await discover_model(client, url)
         for i, doc in enumerate(docs):
-            s = await complete_ids(client, probe.url, model, doc + question(i, salt))
+            s = await complete_ids(client, url, model, doc + question(i, salt))
             ttfts.append(s.ttft_s)
             cacheable += cacheable_tokens(s.prompt_tokens, block_size)
     rates = hit_split(probe.delta(before), cacheable, block_size)
@@ -50,7 +50,7 @@ async def _query(probe: Probe, docs: list[list[int]], block_size: int, salt: int
 
 
 def reset_device_cache(url: str) -> None:
-    """Empty vLLM's device prefix cache and keep kvkeep's (needs VLLM_SERVER_DEV_MODE=1).
+    """Empty vLLM's device prefix cache and keep kvkeep's (vLLM's dev endpoints are on).
 
     vLLM refuses while blocks are in use; it is retried for up to 10 s.
     """
