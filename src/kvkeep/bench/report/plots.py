@@ -2,93 +2,78 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 
-def plot_session(doc: dict[str, Any], out: Path) -> list[Path]:
-    """Computed tokens per turn and TTFT per turn, one line per mode."""
+@contextlib.contextmanager
+def figure(path: Path, title: str, xlabel: str, ylabel: str, rows: int = 1) -> Iterator[Any]:
+    """Matplotlib axes (one per row) drawn into ``path`` on leaving the block."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig, axes = plt.subplots(rows, 1, figsize=(7 if rows == 1 else 9, 3 * rows + 1), sharex=True)
+    each = list(axes) if rows > 1 else [axes]
+    each[0].set_title(title)
+    each[-1].set_xlabel(xlabel)
+    for ax in each:
+        ax.grid(alpha=0.3)
+        ax.set_ylabel(ylabel)
+    yield axes
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_session(doc: dict[str, Any], out: Path) -> list[Path]:
+    """Computed tokens per turn and TTFT per turn, one line per mode."""
     paths = []
     for key, ylabel, name in (
         ("computed_tokens", "tokens computed (prompt - cached)", "computed_tokens_per_turn.png"),
         ("ttft_s", "time to first token (s)", "ttft_per_turn.png"),
     ):
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for mode, res in doc["modes"].items():
-            ax.plot([t[key] for t in res["turns"]], marker="o", markersize=3, label=mode)
-        ax.set_xlabel("turn")
-        ax.set_ylabel(ylabel)
-        ax.set_title(f"{ylabel} per turn, by cache mode")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
-        plt.close(fig)
+        with figure(out / name, f"{ylabel} per turn, by cache mode", "turn", ylabel) as ax:
+            for mode, res in doc["modes"].items():
+                ax.plot([t[key] for t in res["turns"]], marker="o", markersize=3, label=mode)
+            ax.legend()
         paths.append(out / name)
     return paths
 
 
 def plot_ttft(doc: dict[str, Any], out: Path) -> list[Path]:
-    """Cold and warm TTFT per prompt size, grouped by mode."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    modes = list(doc["modes"])
+    """Cold and warm TTFT per prompt size, a pair of bars per mode (log scale)."""
     sizes = sorted({int(s) for m in doc["modes"].values() for s in m["sizes"]})
-    fig, ax = plt.subplots(figsize=(7, 4))
-    width = 0.8 / (2 * len(modes))
-    for i, mode in enumerate(modes):
-        for j, kind in enumerate(("cold_s", "warm_s")):
-            vals = [doc["modes"][mode]["sizes"].get(str(s), {}).get(kind, 0) for s in sizes]
-            xs = [k + (2 * i + j) * width for k in range(len(sizes))]
-            ax.bar(xs, vals, width, label=f"{mode} {kind[:-2]}")
-    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(sizes))], [f"{s:,}" for s in sizes])
-    ax.set_xlabel("prompt tokens")
-    ax.set_ylabel("time to first token (s)")
-    ax.set_yscale("log")
-    ax.set_title("TTFT: cold vs the same prompt again")
-    ax.legend()
-    ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    path = out / "ttft_by_size.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    series = {
+        f"{mode} {kind[:-2]}": [r["sizes"].get(str(s), {}).get(kind, 0) for s in sizes]
+        for mode, r in doc["modes"].items()
+        for kind in ("cold_s", "warm_s")
+    }
+    return _bar_plot(out / "ttft_by_size.png", [f"{s:,}" for s in sizes], series,
+                     "time to first token (s)", "TTFT: cold vs the same prompt again",
+                     xlabel="prompt tokens", log=True)  # fmt: skip
 
 
 def _bar_plot(path: Path, labels: list[str], series: dict[str, list[float]], ylabel: str,
-              title: str, stacked: bool = False) -> list[Path]:  # fmt: skip
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    bottom = [0.0] * len(labels)
-    width = 0.8 if stacked else 0.8 / max(1, len(series))
-    for i, (name, vals) in enumerate(series.items()):
-        xs = [k if stacked else k + i * width for k in range(len(labels))]
-        ax.bar(xs, vals, width, bottom=bottom if stacked else None, label=name)
-        if stacked:
-            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-    offset = 0 if stacked else 0.4 - width / 2
-    ax.set_xticks([k + offset for k in range(len(labels))], labels)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    if len(series) > 1:
-        ax.legend()
-    ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+              title: str, stacked: bool = False, xlabel: str = "",
+              log: bool = False) -> list[Path]:  # fmt: skip
+    with figure(path, title, xlabel, ylabel) as ax:
+        bottom = [0.0] * len(labels)
+        width = 0.8 if stacked else 0.8 / max(1, len(series))
+        for i, (name, vals) in enumerate(series.items()):
+            xs = [k if stacked else k + i * width for k in range(len(labels))]
+            ax.bar(xs, vals, width, bottom=bottom if stacked else None, label=name)
+            if stacked:
+                bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+        offset = 0 if stacked else 0.4 - width / 2
+        ax.set_xticks([k + offset for k in range(len(labels))], labels)
+        if log:
+            ax.set_yscale("log")
+        if len(series) > 1:
+            ax.legend()
     return [path]
 
 

@@ -41,27 +41,23 @@ def _fmt(v: Any) -> str:
 def plot(doc: dict[str, Any], path: Path) -> Path | None:
     """Hit rate and RSS over time with the faults marked; None without matplotlib."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib  # noqa: F401
     except ImportError:
         return None
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    hits = doc["hit_rate_over_time"]
-    top.plot([w["t_s"] for w in hits], [w["cached_fraction"] for w in hits], marker="o")
-    top.set_ylabel("cached fraction of prompt")
-    rss = doc["rss_over_time"]
-    for name in ("server_mb", "vllm_mb"):
-        bottom.plot([s["t_s"] for s in rss], [s[name] or float("nan") for s in rss], label=name)
-    bottom.set_ylabel("private RSS (MB)")
-    bottom.set_xlabel("seconds")
-    bottom.legend()
+    from kvkeep.bench.report.plots import figure
+
     colours = {"server_kill": "red", "engine_restart": "black", "corrupt_live": "orange"}
-    for e in doc["events"]:
-        for ax in (top, bottom):
-            ax.axvline(e["t_s"], color=colours.get(e["kind"], "grey"), alpha=0.4)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    with figure(path, "bench soak", "seconds", "", rows=2) as (top, bottom):
+        hits = doc["hit_rate_over_time"]
+        top.plot([w["t_s"] for w in hits], [w["cached_fraction"] for w in hits], marker="o")
+        top.set_ylabel("cached fraction of prompt")
+        rss = doc["rss_over_time"]
+        for name in ("server_mb", "vllm_mb"):
+            bottom.plot([s["t_s"] for s in rss], [s[name] or float("nan") for s in rss],
+                        label=name)  # fmt: skip
+        bottom.set_ylabel("private RSS (MB)")
+        bottom.legend()
+        for e in doc["events"]:
+            for ax in (top, bottom):
+                ax.axvline(e["t_s"], color=colours.get(e["kind"], "grey"), alpha=0.4)
     return path
