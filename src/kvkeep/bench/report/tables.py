@@ -209,7 +209,7 @@ def replicas_table(doc: dict[str, Any]) -> str:
     rows = [
         [m, f"{r['turns_per_min']:.1f}", _pct(r.get("hit_rate")), _pct(r.get("device_hit_rate")),
          _pct(r.get("remote_hit_rate")), _s(r.get("mean_ttft_s"))]
-        for m, r in doc["modes"].items()
+        for m, r in doc["modes"].items() if r
     ]  # fmt: skip
     head = "### Agents over replicas, turns routed round-robin\n\n"
     return head + _table(["store", "turns/min", "hit rate", "device", "remote", "mean TTFT"], rows)
