@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -30,12 +31,25 @@ def question(index: int, salt: int = 0) -> list[int]:
     return [10 + (index * 13 + salt * 7 + j) % 90 for j in range(QUESTION_TOKENS)]
 
 
-def query(probe: Probe, docs: list[list[int]], block_size: int, salt: int = 0) -> dict[str, Any]:
-    """Each document once, with its question: mean TTFT and where the hits came from."""
-    return asyncio.run(_query(probe, docs, block_size, salt))
+def query(
+    probe: Probe,
+    docs: list[list[int]],
+    block_size: int,
+    salt: int = 0,
+    progress: Callable[[], object] | None = None,
+) -> dict[str, Any]:
+    """Each document once, with its question: where the hits came from (`hit_split`), the
+    mean TTFT and each one (`ttfts_s`), and the tokens a cache could serve (`cacheable`)."""
+    return asyncio.run(_query(probe, docs, block_size, salt, progress))
 
 
-async def _query(probe: Probe, docs: list[list[int]], block_size: int, salt: int) -> dict[str, Any]:
+async def _query(
+    probe: Probe,
+    docs: list[list[int]],
+    block_size: int,
+    salt: int,
+    progress: Callable[[], object] | None,
+) -> dict[str, Any]:
     before = probe.snapshot()
     url = probe.current_url()
     ttfts, cacheable = [], 0
@@ -45,6 +59,8 @@ async def _query(probe: Probe, docs: list[list[int]], block_size: int, salt: int
             s = await complete_ids(client, url, model, doc + question(i, salt))
             ttfts.append(s.ttft_s)
             cacheable += cacheable_tokens(s.prompt_tokens, block_size)
+            if progress:
+                progress()
     rates = hit_split(probe.delta(before), cacheable, block_size)
     return {**rates, "ttft_s": statistics.fmean(ttfts), "ttfts_s": ttfts, "cacheable": cacheable}
 

@@ -13,20 +13,17 @@ so a perfect cache serves every document token (`cacheable_tokens`).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import math
 import time
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 from tqdm import tqdm
 
 from kvkeep.bench.context import RunContext
-from kvkeep.bench.metrics import Probe, cacheable_tokens, hit_split
-from kvkeep.bench.prompts import documents, question
+from kvkeep.bench.metrics import Probe
+from kvkeep.bench.prompts import documents, query
 from kvkeep.bench.scenario import Needs
-from kvkeep.endpoint import complete_ids, discover_model
 from kvkeep.workload import QUESTION_TOKENS
 
 
@@ -75,17 +72,10 @@ class CapacityScenario:
 
     def run(self, ctx: RunContext) -> dict[str, Any]:
         self.spec.validate()
-        return asyncio.run(self._run(ctx.probe()))
-
-    async def _run(self, probe: Probe) -> dict[str, Any]:
         docs = capacity_documents(self.spec)
-        rounds: list[dict[str, Any]] = []
-        async with httpx.AsyncClient() as client:
-            model = await discover_model(client, probe.current_url())
-            total = len(docs) * self.spec.rounds
-            with tqdm(total=total, desc="  capacity queries", leave=False) as bar:
-                for r in range(self.spec.rounds):
-                    rounds.append(await self._round(client, model, probe, docs, r, bar))
+        total = len(docs) * self.spec.rounds
+        with tqdm(total=total, desc="  capacity queries", leave=False) as bar:
+            rounds = [self._round(ctx.probe(), docs, r, bar) for r in range(self.spec.rounds)]
         measured = rounds[1:]
         return {
             **_merge(measured),
@@ -99,33 +89,13 @@ class CapacityScenario:
             "block_size": self.spec.block_size,
         }
 
-    async def _round(
-        self,
-        client: httpx.AsyncClient,
-        model: str,
-        probe: Probe,
-        docs: list[list[int]],
-        r: int,
-        bar: tqdm,
-    ) -> dict[str, Any]:
-        before = probe.snapshot()
-        ttfts: list[float] = []
-        cacheable = 0
+    def _round(self, probe: Probe, docs: list[list[int]], r: int, bar: tqdm) -> dict[str, Any]:
+        """Every document once, with round ``r``'s question."""
         t0 = time.perf_counter()
-        for i, doc in enumerate(docs):
-            s = await complete_ids(client, probe.current_url(), model, doc + question(i, salt=r))
-            ttfts.append(s.ttft_s)
-            cacheable += cacheable_tokens(s.prompt_tokens, self.spec.block_size)
-            bar.update()
-        delta = probe.delta(before)
-        return {
-            "round": r,
-            **hit_split(delta, cacheable, self.spec.block_size),
-            "ttft_s": sum(ttfts) / len(ttfts),
-            "ttft_p50_s": sorted(ttfts)[len(ttfts) // 2],
-            "cacheable_tokens": cacheable,
-            "wall_s": time.perf_counter() - t0,
-        }
+        q = query(probe, docs, self.spec.block_size, salt=r, progress=bar.update)
+        ttfts, cacheable = q.pop("ttfts_s"), q.pop("cacheable")
+        return {"round": r, **q, "ttft_p50_s": sorted(ttfts)[len(ttfts) // 2],
+                "cacheable_tokens": cacheable, "wall_s": time.perf_counter() - t0}  # fmt: skip
 
 
 def _merge(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -141,12 +111,8 @@ def _merge(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 def add_args(p: argparse.ArgumentParser) -> None:
     d = CapacitySpec()
-    p.add_argument(
-        "--pool-blocks",
-        type=int,
-        default=d.pool_blocks,
-        help="device KV pool in blocks (--num-gpu-blocks-override)",
-    )
+    p.add_argument("--pool-blocks", type=int, default=d.pool_blocks,
+                   help="device KV pool in blocks (--num-gpu-blocks-override)")  # fmt: skip
     p.add_argument("-k", type=float, default=d.k, help="documents total k times the pool")
     p.add_argument("--doc-tokens", type=int, default=d.doc_tokens)
     p.add_argument("--rounds", type=int, default=d.rounds)
