@@ -23,17 +23,14 @@ always on (VLLM_SERVER_DEV_MODE=1), so a scenario can empty the device cache
 from __future__ import annotations
 
 import atexit
-import contextlib
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
 import weakref
-from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -41,7 +38,7 @@ import httpx
 
 from kvkeep.bench.deploy import exit_on_sigterm
 from kvkeep.bench.deploy.cache import CacheServer
-from kvkeep.serve import kv_transfer_args
+from kvkeep.serve import kv_transfer_args, stop_process_group
 
 SERVED_MODEL_NAME = "kvkeep-tiny"
 LOG_TAIL_LINES = 30
@@ -268,20 +265,11 @@ class VLLMServer:
 
     def _stop_vllm(self, timeout_s: float) -> None:
         _RUNNING.discard(self)
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        pgid = self.proc.pid  # start_new_session made it a group leader
-        _signal_group(pgid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _signal_group(pgid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
-        # Children (EngineCore, workers) may linger briefly after the leader exits.
-        _signal_group(pgid, signal.SIGKILL)
+        # start_new_session made it a group leader: its EngineCore and workers go with it.
+        stop_process_group(self.proc, timeout_s)
 
     def __enter__(self) -> VLLMServer:
-        return self.start() if self.proc is None else self
+        return self.start() if self.proc is None else self  # a failed start stops itself
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
@@ -296,11 +284,6 @@ _RUNNING: weakref.WeakSet[VLLMServer] = weakref.WeakSet()
 def _stop_all() -> None:
     for server in list(_RUNNING):
         server.stop(timeout_s=5.0)
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
 
 
 _ERROR_LINE = re.compile(r"\b([A-Z]\w*(?:Error|Exception)): (.+)")
@@ -338,11 +321,7 @@ def log_tail(path: Path, lines: int) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-@contextlib.contextmanager
-def launch(cfg: LaunchConfig) -> Iterator[VLLMServer]:
-    """Context manager: a ready server for the block, stopped afterwards whatever happens."""
-    server = VLLMServer(cfg)
-    try:
-        yield server.start()
-    finally:
-        server.stop()
+def launch(cfg: LaunchConfig) -> VLLMServer:
+    """``with launch(cfg) as server``: a ready server for the block, stopped afterwards
+    whatever happens (a failed start stops what it started, then raises LaunchError)."""
+    return VLLMServer(cfg)
