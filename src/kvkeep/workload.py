@@ -25,7 +25,7 @@ document (`QUESTION_TOKENS`), and the cache-server tier sizes every bench run de
 (`BENCH_CACHE_RAM`, `BENCH_CACHE_DISK`), so the planner never needs to import the bench.
 
 Token counts come from a `TokenCounter`: the model's own tokenizer when it is known, or an
-estimate of CHARS_PER_TOKEN characters per token otherwise. The runner reports the counts the
+estimate of CHARS_PER_TOKEN characters per token otherwise. The bench reports the counts the
 server measured, so the estimate only affects how closely the sizes hit their targets.
 """
 

@@ -213,7 +213,7 @@ def test_sigkill_during_agents_and_write_burst(rig: Rig, tiny_model: Path) -> No
     with Killer(rig, every_s=1.0, down_s=0.5) as killer:
         while killer.kills < KILLS_EACH and time.monotonic() < deadline:  # 8 agents, 5 turns
             spec = SessionSpec(turns=5, scale=0.02, max_output_tokens=4, seed=len(results))
-            results += asyncio.run(run_agents(rig.url, generate_sessions(spec, counter, 8)))
+            results += asyncio.run(run_agents([rig.url], generate_sessions(spec, counter, 8)))
         agents_kills = killer.kills
         while killer.kills < agents_kills + KILLS_EACH and time.monotonic() < deadline:
             rig.complete(rig.prompt(1500), max_tokens=2)  # 11 cold blocks to save each

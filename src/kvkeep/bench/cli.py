@@ -38,16 +38,18 @@ Output = Callable[[dict[str, Any], argparse.Namespace], int]
 @dataclass(frozen=True)
 class Command:
     help: str
-    module: ModuleType | None  # add_args(), build(), and optionally document()
+    module: ModuleType | None  # its add_args() and build()
     modes: str = "none,vllm"  # the default --modes (narrowed to the modes the scenarios need)
     compare: bool = True  # the mode-comparing arguments (--endpoint, pool, --out)
     launch: bool = True  # the vLLM and cache-server arguments
     output: Output | None = None  # its own output, instead of the report of modes
+    document: Callable[[argparse.Namespace], dict[str, Any]] | None = None  # more to record
 
 
 COMMANDS: dict[str, Command] = {
-    "session": Command("the study's 30-turn coding-agent session (S1)", session),
-    "ttft": Command("one long prompt cold, then repeated (S2)", ttft),
+    "session": Command("the study's 30-turn coding-agent session (S1)", session,
+                       document=session.document),
+    "ttft": Command("one long prompt cold, then repeated (S2)", ttft, document=ttft.document),
     "capacity": Command("more documents than the device pool (S3)", capacity),
     "agents": Command("N concurrent closed-loop agents (S5)", agents),
     "hol": Command("a cached request beside a large prefill (S6)", hol),
@@ -176,35 +178,35 @@ def _scenarios(name: str, args: argparse.Namespace) -> Sequence[Scenario]:
 
 
 def _document(name: str, results: suite.Results, args: argparse.Namespace) -> dict[str, Any]:
-    """One scenario's document, or `bench all`'s. A scenario named ``NAME@TAG`` (a variant:
-    a chunked-prefill budget, a store) is filed under NAME, its modes as ``MODE@TAG``."""
+    """One scenario's document, or `bench all`'s; both record the same ``setup``. A scenario
+    named ``NAME@TAG`` (a variant: a chunked-prefill budget, a store) is filed under NAME,
+    its modes as ``MODE@TAG``."""
     if name == "all":
         size = suite.QUICK if args.quick else suite.FULL
         doc = suite.suite_document(results, size)
-        descriptions = {m: MODES[m].description for m in args.modes}
-        doc["setup"] = {"size": "quick" if args.quick else "full", "modes": args.modes,
-                        "model": str(args.model), "pool_blocks": size.pool_blocks,
-                        "block_size": suite.BLOCK, "cache_ram": args.cache_ram,
-                        "cache_disk": args.cache_disk, "reserved_cpus": args.reserved_cpus,
-                        "mode_descriptions": descriptions}  # fmt: skip
+        blocks = args.num_blocks or size.pool_blocks
+        doc["setup"] = {"size": "quick" if args.quick else "full", **_setup_record(args, blocks)}
         return doc
-    modes: dict[str, Any] = {}
-    scenario = name
+    doc = {"scenario": name, "modes": {}, "setup": _setup_record(args, args.num_blocks)}
     for full, by_mode in results.items():
-        scenario, _, tag = full.partition("@")
-        modes.update({f"{m}@{tag}" if tag else m: r for m, r in by_mode.items()})
-    doc = {"scenario": scenario, "modes": modes}
-    doc["setup"] = {"endpoint": args.endpoint, "model": str(args.model),
-                    "kv_pool_gib": args.kv_pool_gib, "num_blocks": args.num_blocks,
-                    "reserved_cpus": args.reserved_cpus, "cache_ram": args.cache_ram,
-                    "cache_disk": args.cache_disk,
-                    "env": {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(args.reserved_cpus)}}  # fmt: skip
-    extra: Callable[[argparse.Namespace], dict[str, Any]] | None = getattr(
-        COMMANDS[name].module, "document", None
-    )
-    for key, value in (extra(args) if extra else {}).items():
+        doc["scenario"], _, tag = full.partition("@")
+        doc["modes"].update({f"{m}@{tag}" if tag else m: r for m, r in by_mode.items()})
+    document = COMMANDS[name].document
+    for key, value in (document(args) if document else {}).items():
         doc[key] = {**doc.get(key, {}), **value}
     return doc
+
+
+def _setup_record(args: argparse.Namespace, blocks: int | None) -> dict[str, Any]:
+    """What the run deployed, as the results record it."""
+    return {
+        "endpoint": args.endpoint, "modes": args.modes, "model": str(args.model),
+        "kv_pool_gib": args.kv_pool_gib, "num_blocks": blocks, "pool_blocks": blocks,
+        "block_size": suite.BLOCK, "cache_ram": args.cache_ram, "cache_disk": args.cache_disk,
+        "reserved_cpus": args.reserved_cpus,
+        "env": {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(args.reserved_cpus)},
+        "mode_descriptions": {m: MODES[m].description for m in args.modes if m in MODES},
+    }  # fmt: skip
 
 
 def write(doc: dict[str, Any], args: argparse.Namespace, name: str) -> int:

@@ -72,13 +72,12 @@ Progress = Callable[[TurnResult], None]
 
 
 async def run_agents(
-    urls: str | Sequence[str],
+    urls: Sequence[str],
     sessions: Sequence[Sequence[Turn]],
     tool_delay_s: float = 0.0,
     progress: Progress | None = None,
 ) -> list[TurnResult]:
     """Run every session closed-loop and concurrently; results in completion order."""
-    urls = [urls] if isinstance(urls, str) else list(urls)
     results: list[TurnResult] = []
     async with httpx.AsyncClient() as client:
         model = await discover_model(client, urls[0])

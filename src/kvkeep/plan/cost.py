@@ -96,7 +96,7 @@ def calibrate(endpoint: str, sizes: Sequence[int] = CALIBRATION_SIZES) -> Prefil
     """Measure cold TTFTs at ``sizes`` against a live OpenAI-compatible server and fit them.
 
     Blocks for the duration; each prompt is random token ids that no earlier prompt shares, so
-    nothing is cached. Raises httpx / EndpointError errors from the runner unchanged.
+    nothing is cached. Raises httpx / EndpointError errors from `kvkeep.endpoint` unchanged.
     """
     return fit_prefill(asyncio.run(_measure(endpoint.rstrip("/"), sizes)))
 

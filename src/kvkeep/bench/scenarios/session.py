@@ -49,7 +49,7 @@ class SessionScenario:
         before = vllm_counters(ctx.url)
         t0 = time.perf_counter()
         with tqdm(total=len(turns), desc="  session turns", unit="turn", leave=False) as bar:
-            results = asyncio.run(run_agents(ctx.url, [turns], progress=lambda _: bar.update()))
+            results = asyncio.run(run_agents([ctx.url], [turns], progress=lambda _: bar.update()))
         wall = time.perf_counter() - t0
         return summarize_session(results, wall, metrics_delta(before, vllm_counters(ctx.url)))
 

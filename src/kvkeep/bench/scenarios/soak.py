@@ -95,7 +95,7 @@ class SoakScenario:
         sampler.start()
         faults.start(t0, sampler)
         try:
-            tally = asyncio.run(run_agents(ctx.engine, sessions, refs, t0 + spec.duration_s, t0))
+            tally = asyncio.run(judged_agents(ctx.engine, sessions, refs, t0 + spec.duration_s, t0))
         finally:
             faults.stop()
             sampler.stop()
@@ -199,7 +199,7 @@ async def references(url: str, sessions: Sequence[Sequence[Turn]]) -> dict[tuple
     return out
 
 
-async def run_agents(
+async def judged_agents(
     engine: VLLMServer,
     sessions: Sequence[Sequence[Turn]],
     refs: dict[tuple[int, int], Reply],
