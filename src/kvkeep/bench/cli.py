@@ -97,6 +97,7 @@ def parser(name: str) -> argparse.ArgumentParser:
         p.add_argument(
             "--modes",
             type=parse_modes,
+            default=parse_modes(cmd.modes),
             help=f"comma-separated cache modes to launch in turn ({', '.join(MODES)})",
         )
     if cmd.compare:
@@ -110,7 +111,7 @@ def parser(name: str) -> argparse.ArgumentParser:
     else:  # bench all
         p.add_argument("--quick", action="store_true", help="the demo's size (~10 min on 2 cores)")
         p.set_defaults(out=Path("kvkeep-report"))
-    return p  # fmt: skip
+    return p
 
 
 def main(argv: list[str]) -> int:
@@ -124,7 +125,7 @@ def main(argv: list[str]) -> int:
         print(f"kvkeep bench {name}: {exc}", file=sys.stderr)
         return 2
     t0 = time.monotonic()
-    args.modes = _modes(args.modes or parse_modes(COMMANDS[name].modes), scenarios)
+    args.modes = _modes(args.modes, scenarios)
     results = suite.run_modes(scenarios, args.modes, setup)
     env = environment(getattr(args, "model", None))
     output = COMMANDS[name].output
