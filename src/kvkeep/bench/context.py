@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from kvkeep.bench.deploy import exit_on_sigterm
 from kvkeep.bench.deploy.cache import CacheServer, CacheSpec, shared_store
 from kvkeep.bench.deploy.vllm import LaunchConfig, VLLMServer
 from kvkeep.bench.metrics import Probe
@@ -102,6 +103,7 @@ def deployment(mode: str, cfg: LaunchConfig, needs: Needs, setup: Setup) -> Iter
     if setup.endpoint or not needs.engine:
         yield RunContext(mode, cfg.model, endpoint=setup.endpoint)
         return
+    exit_on_sigterm()  # from the main thread: the engines may start on others
     with contextlib.ExitStack() as stack:
         store = None
         if needs.shared_store and mode == "kvkeep":
@@ -117,7 +119,10 @@ def deployment(mode: str, cfg: LaunchConfig, needs: Needs, setup: Setup) -> Iter
         engines = [VLLMServer(c) for c in cfgs]
         for engine in engines:
             stack.callback(engine.stop)
-        with ThreadPoolExecutor(len(engines)) as pool:  # each start is ~25 s of waiting
-            for future in [pool.submit(e.start) for e in engines]:
-                future.result()
+        if len(engines) == 1:
+            engines[0].start()
+        else:  # in parallel: each start is ~25 s of waiting
+            with ThreadPoolExecutor(len(engines)) as pool:
+                for future in [pool.submit(e.start) for e in engines]:
+                    future.result()
         yield RunContext(mode, cfg.model, engines, caches, store=store)
