@@ -164,6 +164,7 @@ class VLLMServer:
         self.generation = 0
         self._cache: CacheServer | None = None
         self._up = threading.Event()
+        self._lock = threading.Lock()  # url and generation change together
         self._new_port()
 
     def _new_port(self) -> None:
@@ -204,11 +205,13 @@ class VLLMServer:
         """Stop vLLM (not a private cache server) and start it again on a new port; returns
         the seconds from the stop to the new one answering. Raises LaunchError."""
         t0 = time.monotonic()
-        self._up.clear()
-        self.generation += 1
+        with self._lock:
+            self._up.clear()
+            self.generation += 1
         try:
             self._stop_vllm(stop_timeout_s)
-            self._new_port()
+            with self._lock:
+                self._new_port()
             self.start()
         finally:
             self._up.set()  # up, or failed for good: waiters see which
@@ -222,7 +225,8 @@ class VLLMServer:
         """(url, generation) of the server once it answers; blocks while it restarts."""
         if not self._up.wait(timeout_s):
             raise LaunchError("vLLM did not come back after a restart")
-        return self.url, self.generation
+        with self._lock:
+            return self.url, self.generation
 
     def _wait_ready(self, t0: float) -> None:
         assert self.proc is not None
