@@ -1,6 +1,6 @@
 from pathlib import Path
 
-from kvkeep.bench import report
+from kvkeep.bench import metrics, report
 from kvkeep.bench.http import TurnResult
 from kvkeep.bench.metrics import metrics_delta, parse_prometheus
 from kvkeep.bench.scenarios.session import summarize_session
@@ -19,6 +19,22 @@ def test_prometheus_samples_are_summed_over_labels() -> None:
     assert m["vllm:prefix_cache_hits_total"] == 1664.0
     assert m["vllm:prompt_tokens_by_source_total"] == 128.0
     assert metrics_delta({"a": 1.0}, {"a": 5.0, "b": 2.0}) == {"a": 4.0, "b": 2.0}
+
+
+def test_kvkeep_tokens_are_summed_per_op(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    page = PROM + "\n".join([
+        'vllm:kvkeep_tokens_total{engine="0",op="loaded"} 256.0',
+        'vllm:kvkeep_tokens_total{op="loaded",engine="1"} 128.0',
+        'vllm:kvkeep_tokens_total{engine="0",op="load_failed"} 128.0',
+        'vllm:kvkeep_events_total{engine="0",op="loaded"} 9.0',
+    ])  # fmt: skip
+
+    class Page:
+        text = page
+
+    monkeypatch.setattr(metrics.httpx, "get", lambda *a, **k: Page())
+    tokens = metrics.kvkeep_tokens("http://x")
+    assert tokens == {"offered": 0.0, "loaded": 384.0, "load_failed": 128.0, "saved": 0.0}
 
 
 def _session(prompts: list[int], cached: list[int]) -> dict:
