@@ -60,7 +60,9 @@ from kvkeep.bench.scenarios.soak_faults import (
 )
 from kvkeep.workload import HFTokenizer, SessionSpec, Turn, generate_sessions
 
-REQUEST_TIMEOUT_S = 300.0  # one turn of the soak's small sessions
+# A soak turn (a small session) takes seconds: one stuck this long is a failed request, and
+# the run goes on (the bench's own REQUEST_TIMEOUT_S waits for 16k-token cold prefills).
+TURN_TIMEOUT_S = 300.0
 
 
 # --- the run --------------------------------------------------------------------------------------
@@ -162,7 +164,7 @@ def chat_body(turn: Turn, salt: str | None = None) -> dict[str, Any]:
 
 async def ask(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Reply:
     """POST one chat request; raises httpx.HTTPError on any transport or HTTP error."""
-    r = await client.post(f"{url}/v1/chat/completions", json=body, timeout=REQUEST_TIMEOUT_S)
+    r = await client.post(f"{url}/v1/chat/completions", json=body, timeout=TURN_TIMEOUT_S)
     r.raise_for_status()
     doc = r.json()
     content = doc["choices"][0]["logprobs"]["content"]
@@ -188,7 +190,7 @@ async def references(url: str, sessions: Sequence[Sequence[Turn]]) -> dict[tuple
     roots its block hashes in vLLM and in kvkeep where nothing is cached."""
     out: dict[tuple[int, int], Reply] = {}
     gate = asyncio.Semaphore(2)
-    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as client:
+    async with httpx.AsyncClient(timeout=TURN_TIMEOUT_S) as client:
 
         async def one(agent: int, turn: Turn) -> None:
             async with gate:
