@@ -26,17 +26,20 @@ COMMANDS: dict[str, Route] = {
     "plan": Route("kvkeep.plan.main", "which cache configuration a workload needs"),
 }
 
-# `kvkeep bench NAME ...` -> module whose main(argv) handles the rest of the arguments.
+# `kvkeep bench NAME ...` -> kvkeep.bench.cli, whose one parser handles every scenario.
 BENCHES: dict[str, Route] = {
-    "session": Route("kvkeep.bench.scenarios", "the study's 30-turn coding-agent session (S1)"),
-    "ttft": Route("kvkeep.bench.scenarios", "one long prompt cold, then repeated (S2)"),
-    "capacity": Route("kvkeep.bench.capacity", "more documents than the device pool (S3)"),
-    "agents": Route("kvkeep.bench.agents", "N concurrent closed-loop agents (S5)"),
-    "hol": Route("kvkeep.bench.hol", "a cached request beside a large prefill (S6)"),
-    "restart": Route("kvkeep.bench.restart", "hits and TTFT after vLLM and cache restarts (S4)"),
-    "all": Route("kvkeep.bench.all", "S1-S6 side by side: report.md, report.html, plots"),
-    "soak": Route("kvkeep.bench.soak", "agents while the cache and engine are killed"),
-    "store": Route("kvkeep.bench.store_bench", "cache-server and tier bandwidth"),
+    name: Route("kvkeep.bench.cli", help)
+    for name, help in (
+        ("session", "the study's 30-turn coding-agent session (S1)"),
+        ("ttft", "one long prompt cold, then repeated (S2)"),
+        ("capacity", "more documents than the device pool (S3)"),
+        ("agents", "N concurrent closed-loop agents (S5)"),
+        ("hol", "a cached request beside a large prefill (S6)"),
+        ("restart", "hits and TTFT after vLLM and cache restarts (S4)"),
+        ("all", "S1-S6 side by side: report.md, report.html, plots"),
+        ("soak", "agents while the cache and engine are killed"),
+        ("store", "cache-server and tier bandwidth"),
+    )
 }
 
 

@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvkeep.bench import all as bench_all
+from kvkeep.bench import cli as bench_cli
 from kvkeep.model import TinyModelSpec, write_tiny_model
 
 
@@ -26,7 +26,7 @@ def main(argv: list[str]) -> int:
     if not (args.model / "config.json").is_file():
         print(f"generating the tiny model in {args.model}", file=sys.stderr)
         write_tiny_model(args.model, TinyModelSpec())
-    return bench_all.main(
+    return bench_cli.main(
         ["all", "--quick", "--model", str(args.model), "--out", str(args.out),
          "--modes", args.modes]
     )  # fmt: skip

@@ -9,7 +9,7 @@ from importlib import metadata
 from pathlib import Path
 
 from kvkeep.bench import report
-from kvkeep.bench.environment import environment
+from kvkeep.bench.report.environment import environment
 
 
 def test_environment_names_the_machine_the_versions_and_the_model(tmp_path: Path) -> None:

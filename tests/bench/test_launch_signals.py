@@ -12,9 +12,9 @@ from pathlib import Path
 
 SCRIPT = """
 import time
-from kvkeep.bench.launch import cache_server
-with cache_server("64MiB") as socket_path:
-    print(socket_path, flush=True)
+from kvkeep.bench.deploy.cache import CacheServer, CacheSpec
+with CacheServer(CacheSpec(ram="64MiB", disk="0")) as cache:
+    print(cache.socket, flush=True)
     time.sleep(120)
 """
 
@@ -63,11 +63,11 @@ def test_sigterm_to_a_bench_stops_its_cache_server() -> None:
 INNER_TEST = """
 import time
 from pathlib import Path
-from kvkeep.bench.launch import cache_server
+from kvkeep.bench.deploy.cache import CacheServer, CacheSpec
 
 def test_holds_a_server():
-    with cache_server("64MiB") as socket_path:
-        Path({marker!r}).write_text(socket_path)
+    with CacheServer(CacheSpec(ram="64MiB", disk="0")) as cache:
+        Path({marker!r}).write_text(cache.socket)
         time.sleep(120)
 
 def test_never_reached():

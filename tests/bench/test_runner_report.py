@@ -1,8 +1,9 @@
 from pathlib import Path
 
-from kvkeep.bench import report
-from kvkeep.bench.runner import TurnResult, metrics_delta, parse_prometheus
-from kvkeep.bench.scenarios import summarize_session
+from kvkeep.bench import metrics, report
+from kvkeep.bench.http import TurnResult
+from kvkeep.bench.metrics import metrics_delta, parse_prometheus
+from kvkeep.bench.scenarios.session import summarize_session
 
 PROM = """# HELP vllm:prefix_cache_hits_total hits
 # TYPE vllm:prefix_cache_hits_total counter
@@ -18,6 +19,22 @@ def test_prometheus_samples_are_summed_over_labels() -> None:
     assert m["vllm:prefix_cache_hits_total"] == 1664.0
     assert m["vllm:prompt_tokens_by_source_total"] == 128.0
     assert metrics_delta({"a": 1.0}, {"a": 5.0, "b": 2.0}) == {"a": 4.0, "b": 2.0}
+
+
+def test_kvkeep_tokens_are_summed_per_op(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    page = PROM + "\n".join([
+        'vllm:kvkeep_tokens_total{engine="0",op="loaded"} 256.0',
+        'vllm:kvkeep_tokens_total{op="loaded",engine="1"} 128.0',
+        'vllm:kvkeep_tokens_total{engine="0",op="load_failed"} 128.0',
+        'vllm:kvkeep_events_total{engine="0",op="loaded"} 9.0',
+    ])  # fmt: skip
+
+    class Page:
+        text = page
+
+    monkeypatch.setattr(metrics.httpx, "get", lambda *a, **k: Page())
+    tokens = metrics.kvkeep_tokens("http://x")
+    assert tokens == {"offered": 0.0, "loaded": 384.0, "load_failed": 128.0, "saved": 0.0}
 
 
 def _session(prompts: list[int], cached: list[int]) -> dict:
@@ -69,7 +86,7 @@ def test_report_writes_tables_json_and_plots(tmp_path: Path) -> None:
 
 
 def test_root_cause_skips_warnings_and_wrapper_errors(tmp_path: Path) -> None:
-    from kvkeep.bench.launch import root_cause
+    from kvkeep.bench.deploy.vllm import root_cause
 
     log = tmp_path / "vllm.log"
     log.write_text(
@@ -126,7 +143,7 @@ def test_sse_lines_split_only_at_line_ends() -> None:
     import asyncio
     import json
 
-    from kvkeep.bench.runner import sse_lines
+    from kvkeep.endpoint import sse_lines
 
     events = [{"choices": [{"text": f"a\u2028b\u2029c\x85d{i}"}]} for i in range(3)]
     wire = (

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvkeep.bench.soak import Monotonic, Sample, SoakSpec, rss_growth, schedule
+from kvkeep.bench.scenarios.soak_faults import Monotonic, Sample, SoakSpec, rss_growth, schedule
 
 
 def test_ten_minutes_schedule_six_kills_two_restarts() -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvkeep.bench.store_bench import main
+from kvkeep.bench.cli import main
 
 
 @pytest.mark.slow

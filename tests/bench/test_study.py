@@ -7,11 +7,10 @@ from pathlib import Path
 import pytest
 
 from kvkeep.bench import report
-from kvkeep.bench.agents import summarize_agents
-from kvkeep.bench.capacity import CapacitySpec, capacity_documents
-from kvkeep.bench.probe import Counters, cacheable_tokens, hit_split
-from kvkeep.bench.restart import _flatten
-from kvkeep.bench.runner import TurnResult
+from kvkeep.bench.http import TurnResult, summarize_agents
+from kvkeep.bench.metrics import Counters, cacheable_tokens, hit_split
+from kvkeep.bench.scenarios.capacity import CapacitySpec, capacity_documents
+from kvkeep.bench.scenarios.restart import flatten
 
 
 def test_cacheable_tokens_never_include_the_last_token() -> None:
@@ -83,10 +82,10 @@ def test_restart_figures_take_the_worse_of_the_two_server_restarts() -> None:
         "after_server_sigterm": _phase(1.0, 0.07),
         "after_server_sigkill": _phase(0.98, 0.08),
     }
-    flat = _flatten(out)
+    flat = flatten(out)
     assert flat["after_server_restart_hit_rate"] == 0.98
     assert flat["after_engine_restart_ttft_s"] == 0.06
-    no_cache = _flatten({k: v for k, v in out.items() if not k.startswith("after_server")})
+    no_cache = flatten({k: v for k, v in out.items() if not k.startswith("after_server")})
     assert no_cache["after_server_restart_hit_rate"] is None
 
 

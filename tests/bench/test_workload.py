@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from kvkeep.bench.workload import (
+from kvkeep.workload import (
     CharEstimate,
     HFTokenizer,
     SessionGenerator,

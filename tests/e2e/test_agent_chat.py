@@ -30,8 +30,8 @@ import openai
 import pytest
 
 from kvkeep.bench.criterion import Reply, same_as_hit
-from kvkeep.bench.launch import free_port
-from kvkeep.bench.soak import engine_counters
+from kvkeep.bench.deploy.vllm import free_port
+from kvkeep.bench.metrics import kvkeep_tokens
 from kvkeep.serve import CacheServerConfig, CacheServerProcess, stop_process_group
 
 pytestmark = pytest.mark.e2e
@@ -125,10 +125,10 @@ def ask(client: openai.OpenAI, messages: list[dict[str, Any]]) -> tuple[str, Rep
 
 def settled(url: str, name: str) -> float:
     """A connector counter once two reads a second apart agree (stats arrive a step late)."""
-    last = engine_counters(url)[name]
+    last = kvkeep_tokens(url)[name]
     for _ in range(15):
         time.sleep(1.0)
-        now = engine_counters(url)[name]
+        now = kvkeep_tokens(url)[name]
         if now == last:
             break
         last = now
@@ -152,7 +152,7 @@ def test_a_chat_replayed_after_a_vllm_restart_is_served_from_kvkeep(
             text, _, _ = ask(client, messages)
             messages = [*messages, {"role": "assistant", "content": text}]
         reference = [ask(client, turn)[1] for turn in transcript]
-        loaded_before = engine_counters(serve.url)["loaded"]
+        loaded_before = kvkeep_tokens(serve.url)["loaded"]
     finally:
         serve.stop()
     assert loaded_before == 0

@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvkeep.bench.launch import LaunchConfig, LaunchError, VLLMServer, launch
-from kvkeep.bench.runner import complete_ids, discover_model
+from kvkeep.bench.deploy.vllm import LaunchConfig, LaunchError, VLLMServer, launch
+from kvkeep.endpoint import complete_ids, discover_model
 
 pytestmark = pytest.mark.e2e
 

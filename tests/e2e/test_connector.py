@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from kvkeep.bench.criterion import same_as_cold, same_as_hit
-from kvkeep.bench.launch import LaunchConfig, launch
+from kvkeep.bench.deploy.vllm import LaunchConfig, launch
 from kvkeep.model import TinyModelSpec, write_tiny_model
 from kvkeep.serve import CacheServerConfig, CacheServerProcess
 from kvkeep.server.client import KVKeepClient

@@ -29,8 +29,8 @@ import httpx
 import pytest
 
 from kvkeep.bench.criterion import same_as_cold, same_as_hit
-from kvkeep.bench.launch import LaunchConfig, VLLMServer
-from kvkeep.bench.soak import engine_counters
+from kvkeep.bench.deploy.vllm import LaunchConfig, VLLMServer
+from kvkeep.bench.metrics import kvkeep_tokens
 from kvkeep.serve import CacheServerConfig, CacheServerProcess
 from kvkeep.server.client import KVKeepClient
 
@@ -90,7 +90,7 @@ class Rig:
 
     def _read(self) -> dict[str, float]:
         """Token counters by op, plus event counters by op (``dropped`` for dropped saves)."""
-        counts = engine_counters(self.url)
+        counts = kvkeep_tokens(self.url)
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
         pattern = r'^vllm:kvkeep_events_total\{[^}]*op="(\w+)"[^}]*\} (\S+)'
         for op in ("save_dropped_after_failed_load", "audit_block", "audit_mismatch"):

@@ -32,14 +32,14 @@ import httpx
 import pytest
 
 from kvkeep.bench.criterion import same_as_cold, same_as_hit
-from kvkeep.bench.launch import LaunchConfig, VLLMServer
-from kvkeep.bench.runner import TurnResult, run_agents
-from kvkeep.bench.soak import engine_counters
-from kvkeep.bench.workload import HFTokenizer, SessionSpec, generate_sessions
+from kvkeep.bench.deploy.vllm import LaunchConfig, VLLMServer
+from kvkeep.bench.http import TurnResult, run_agents
+from kvkeep.bench.metrics import kvkeep_tokens
 from kvkeep.model import TinyModelSpec, write_tiny_model
 from kvkeep.serve import CacheServerConfig, CacheServerProcess
 from kvkeep.server.client import KVKeepClient
 from kvkeep.store.disk import read_index
+from kvkeep.workload import HFTokenizer, SessionSpec, generate_sessions
 
 from .engine import Reference, Served, arena_problems, complete, reference
 
@@ -90,11 +90,11 @@ class Rig:
     def counters(self, settle_s: float = 2.0) -> dict[str, float]:
         """kvkeep's connector counters; stats reach the API server a step or two late, so
         read until two reads agree."""
-        last = engine_counters(self.url)
+        last = kvkeep_tokens(self.url)
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
             time.sleep(settle_s / 2)
-            now = engine_counters(self.url)
+            now = kvkeep_tokens(self.url)
             if now == last:
                 return now
             last = now
@@ -217,7 +217,7 @@ def test_sigkill_during_agents_and_write_burst(rig: Rig, tiny_model: Path) -> No
     with Killer(rig, every_s=1.0, down_s=0.5) as killer:
         while killer.kills < KILLS_EACH and time.monotonic() < deadline:  # 8 agents, 5 turns
             spec = SessionSpec(turns=5, scale=0.02, max_output_tokens=4, seed=len(results))
-            results += asyncio.run(run_agents(rig.url, generate_sessions(spec, counter, 8)))
+            results += asyncio.run(run_agents([rig.url], generate_sessions(spec, counter, 8)))
         agents_kills = killer.kills
         while killer.kills < agents_kills + KILLS_EACH and time.monotonic() < deadline:
             rig.complete(rig.prompt(1500), max_tokens=2)  # 11 cold blocks to save each

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvkeep.bench.launch import LaunchConfig, VLLMServer, launch
+from kvkeep.bench.deploy.vllm import LaunchConfig, VLLMServer, launch
 from kvkeep.plan.cost import calibrate
 from kvkeep.plan.main import main
 

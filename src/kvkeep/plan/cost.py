@@ -15,7 +15,6 @@ and ``Z`` the agent's tool delay: the engine serialises prefills, agents think i
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -97,7 +96,7 @@ def calibrate(endpoint: str, sizes: Sequence[int] = CALIBRATION_SIZES) -> Prefil
     """Measure cold TTFTs at ``sizes`` against a live OpenAI-compatible server and fit them.
 
     Blocks for the duration; each prompt is random token ids that no earlier prompt shares, so
-    nothing is cached. Raises httpx / EndpointError errors from the runner unchanged.
+    nothing is cached. Raises httpx / EndpointError errors from `kvkeep.endpoint` unchanged.
     """
     return fit_prefill(asyncio.run(_measure(endpoint.rstrip("/"), sizes)))
 
@@ -105,15 +104,16 @@ def calibrate(endpoint: str, sizes: Sequence[int] = CALIBRATION_SIZES) -> Prefil
 async def _measure(url: str, sizes: Sequence[int]) -> list[Measurement]:
     import httpx
 
-    from kvkeep.bench.runner import complete_ids, discover_model
+    from kvkeep.endpoint import complete_ids, discover_model
+    from kvkeep.workload import random_ids
 
-    rng = random.Random(f"kvkeep-plan-calibrate:{time.time_ns()}")
+    run = f"plan-calibrate:{time.time_ns()}"
     out = []
     async with httpx.AsyncClient() as client:
         model = await discover_model(client, url)
-        await complete_ids(client, url, model, [rng.randrange(100, 1000) for _ in range(32)])
+        await complete_ids(client, url, model, random_ids(32, f"{run}:first"))
         for size in sizes:
-            ids = [rng.randrange(100, 1000) for _ in range(size)]
+            ids = random_ids(size, f"{run}:{size}")
             stats = await complete_ids(client, url, model, ids)
             out.append(Measurement(stats.prompt_tokens, stats.ttft_s))
     return out

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvkeep.bench.workload import STUDY_TURNS, SessionSpec
 from kvkeep.plan import compare
 from kvkeep.plan.claude_code import TRACE_BLOCK_TOKENS, Arrival, is_claude_code, read_claude_code
 from kvkeep.plan.cost import PrefillModel, Workload, calibrate, estimate, load_verdict
@@ -27,6 +26,7 @@ from kvkeep.plan.tiers import TierSpec, tier_hits
 from kvkeep.plan.trace import BlockTrace, TraceError, read_trace
 from kvkeep.plan.workloads import TileSpec, session_trace, tile_trace
 from kvkeep.units import parse_size
+from kvkeep.workload import STUDY_TURNS, SessionSpec
 
 TIERS = ("device", "ram", "disk")
 

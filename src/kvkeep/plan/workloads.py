@@ -23,7 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvkeep.bench.workload import (
+from kvkeep.keys import BlockKey, chain_keys
+from kvkeep.plan.trace import BlockTrace, make_request
+from kvkeep.workload import (
     CharEstimate,
     HFTokenizer,
     Message,
@@ -31,8 +33,6 @@ from kvkeep.bench.workload import (
     TokenCounter,
     generate_sessions,
 )
-from kvkeep.keys import BlockKey, chain_keys
-from kvkeep.plan.trace import BlockTrace, make_request
 
 ROOT = BlockKey(hashlib.sha256(b"kvkeep/plan/root").digest())
 PSEUDO_TOKEN_CHARS = 4

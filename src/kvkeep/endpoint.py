@@ -1,59 +1,31 @@
-"""Drive coding-agent sessions against any OpenAI-compatible endpoint, and measure each turn.
+"""An OpenAI-compatible endpoint, seen from the client: one streamed request, timed.
 
-Per turn the runner records what the server reported (prompt tokens, cached tokens from
-`usage.prompt_tokens_details.cached_tokens`, output tokens) and what the client saw (time to
-first token from the stream, end-to-end latency). Computed tokens are prompt minus cached.
+`complete_ids` sends token ids to /v1/completions (exact prompt sizes, no tokenizer in the
+way) and `chat_turn` one agent turn to /v1/chat/completions. Both stream, and return what the
+server reported (prompt, cached and output tokens from ``usage``) and what the client saw:
+time to first token (the first chunk carrying a choice) and end-to-end latency. Every call
+either returns or raises `EndpointError` / an ``httpx.HTTPError``, within REQUEST_TIMEOUT_S.
 
-Agents run closed-loop: an agent sends its next turn when the previous answer is complete and
-its tool call has "run" (`tool_delay_s`). Many agents run concurrently on one event loop.
+Shared by `kvkeep bench` and `kvkeep plan --calibrate`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-import re
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from kvkeep.bench.workload import Turn
+from kvkeep.workload import Turn
 
 REQUEST_TIMEOUT_S = 1800.0
-
-# vLLM metrics the instrument reads (counters, in tokens), summed over their labels.
-VLLM_COUNTERS = (
-    "vllm:prefix_cache_queries_total",
-    "vllm:prefix_cache_hits_total",
-    "vllm:external_prefix_cache_queries_total",
-    "vllm:external_prefix_cache_hits_total",
-    "vllm:prompt_tokens_total",
-)
 
 
 class EndpointError(RuntimeError):
     """The endpoint answered with an error or broke the stream; the message says which."""
-
-
-@dataclass(frozen=True)
-class TurnResult:
-    """What one request measured. Times are seconds; `start_s` is relative to the run start."""
-
-    agent: int
-    turn: int
-    prompt_tokens: int
-    cached_tokens: int
-    computed_tokens: int
-    output_tokens: int
-    ttft_s: float
-    latency_s: float
-    start_s: float
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -159,71 +131,3 @@ async def complete_ids(
         **(extra or {}),
     }
     return await _stream(client, f"{url}/v1/completions", body)
-
-
-Progress = Callable[[TurnResult], None]
-
-
-async def run_agents(
-    url: str,
-    sessions: Sequence[Sequence[Turn]],
-    tool_delay_s: float = 0.0,
-    progress: Progress | None = None,
-    model: str | None = None,
-) -> list[TurnResult]:
-    """Run every session closed-loop and concurrently; results in completion order."""
-    results: list[TurnResult] = []
-    limits = httpx.Limits(max_connections=max(8, len(sessions) * 2))
-    async with httpx.AsyncClient(limits=limits, timeout=REQUEST_TIMEOUT_S) as client:
-        model = model or await discover_model(client, url)
-        t_run = time.perf_counter()
-
-        async def agent(a: int, turns: Sequence[Turn]) -> None:
-            for turn in turns:
-                start = time.perf_counter() - t_run
-                s = await chat_turn(client, url, model, turn)
-                res = TurnResult(
-                    agent=a,
-                    turn=turn.index,
-                    prompt_tokens=s.prompt_tokens,
-                    cached_tokens=s.cached_tokens,
-                    computed_tokens=s.prompt_tokens - s.cached_tokens,
-                    output_tokens=s.output_tokens,
-                    ttft_s=s.ttft_s,
-                    latency_s=s.latency_s,
-                    start_s=start,
-                )
-                results.append(res)
-                if progress:
-                    progress(res)
-                if tool_delay_s > 0:
-                    await asyncio.sleep(tool_delay_s)
-
-        await asyncio.gather(*(agent(a, t) for a, t in enumerate(sessions)))
-    return results
-
-
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)")
-
-
-def parse_prometheus(text: str) -> dict[str, float]:
-    """Sum every sample of each metric name over its labels (`# ...` lines ignored)."""
-    totals: dict[str, float] = {}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if m:
-            totals[m.group(1)] = totals.get(m.group(1), 0.0) + float(m.group(3))
-    return totals
-
-
-def scrape_metrics(url: str, names: Sequence[str] = VLLM_COUNTERS) -> dict[str, float]:
-    """The chosen counters from `{url}/metrics` (missing ones read as 0)."""
-    r = httpx.get(f"{url}/metrics", timeout=30)
-    r.raise_for_status()
-    totals = parse_prometheus(r.text)
-    return {name: totals.get(name, 0.0) for name in names}
-
-
-def metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """Counter increase between two scrapes."""
-    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}

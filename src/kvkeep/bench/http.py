@@ -1,0 +1,119 @@
+"""Closed-loop coding agents against one or several OpenAI-compatible endpoints.
+
+`agent_loop` is the one agent loop: each agent sends its turns in order, the next when the
+previous one is done and its tool has "run" (`tool_delay_s`), many agents on one event loop.
+`run_agents` measures every turn with it (`TurnResult`: the server's token counts and the
+client's TTFT and latency; computed tokens are prompt minus cached). With several URLs, turn
+``t`` of agent ``a`` goes to replica ``(a + t) % N``: consecutive turns of an agent never share
+a replica, the worst case for locality. `bench soak` runs its own step in the same loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import httpx
+
+from kvkeep.endpoint import REQUEST_TIMEOUT_S, chat_turn, discover_model
+from kvkeep.workload import Turn
+
+LATE_TURNS = 5
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    """What one request measured. Times are seconds; `start_s` is relative to the run start."""
+
+    agent: int
+    turn: int
+    prompt_tokens: int
+    cached_tokens: int
+    computed_tokens: int
+    output_tokens: int
+    ttft_s: float
+    latency_s: float
+    start_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+Step = Callable[[httpx.AsyncClient, int, Turn], Awaitable[None]]
+
+
+async def agent_loop(
+    sessions: Sequence[Sequence[Turn]],
+    step: Step,
+    tool_delay_s: float = 0.0,
+    until: float | None = None,
+) -> None:
+    """Every agent ``a`` awaits ``step(client, a, turn)`` for its turns in order; with
+    ``until`` (a monotonic time) it replays them again and again until then."""
+    limits = httpx.Limits(max_connections=max(8, len(sessions) * 2))
+    async with httpx.AsyncClient(limits=limits, timeout=REQUEST_TIMEOUT_S) as client:
+
+        async def agent(a: int, turns: Sequence[Turn]) -> None:
+            i = 0
+            while i < len(turns) if until is None else time.monotonic() < until:
+                await step(client, a, turns[i % len(turns)])
+                i += 1
+                if tool_delay_s > 0:
+                    await asyncio.sleep(tool_delay_s)
+
+        await asyncio.gather(*(agent(a, t) for a, t in enumerate(sessions)))
+
+
+Progress = Callable[[TurnResult], None]
+
+
+async def run_agents(
+    urls: Sequence[str],
+    sessions: Sequence[Sequence[Turn]],
+    tool_delay_s: float = 0.0,
+    progress: Progress | None = None,
+) -> list[TurnResult]:
+    """Run every session closed-loop and concurrently; results in completion order."""
+    results: list[TurnResult] = []
+    async with httpx.AsyncClient() as client:
+        model = await discover_model(client, urls[0])
+    t_run = time.perf_counter()
+
+    async def step(client: httpx.AsyncClient, a: int, turn: Turn) -> None:
+        start = time.perf_counter() - t_run
+        s = await chat_turn(client, urls[(a + turn.index) % len(urls)], model, turn)
+        computed = s.prompt_tokens - s.cached_tokens
+        row = TurnResult(a, turn.index, s.prompt_tokens, s.cached_tokens, computed,
+                         s.output_tokens, s.ttft_s, s.latency_s, start)  # fmt: skip
+        results.append(row)
+        if progress:
+            progress(row)
+
+    await agent_loop(sessions, step, tool_delay_s)
+    return results
+
+
+def summarize_agents(results: list[TurnResult], wall_s: float, agents: int) -> dict[str, Any]:
+    """Turns/min overall and per agent, the wait per turn, and the late-turn wait."""
+    by_agent: dict[int, list[TurnResult]] = {}
+    for r in sorted(results, key=lambda r: (r.agent, r.turn)):
+        by_agent.setdefault(r.agent, []).append(r)
+    late = [r.latency_s for rows in by_agent.values() for r in rows[-LATE_TURNS:]]
+    return {
+        "agents": agents,
+        "turns": len(results),
+        "wall_s": wall_s,
+        "turns_per_min": len(results) / (wall_s / 60),
+        "turns_per_min_per_agent": {
+            str(a): len(rows) / (max(r.start_s + r.latency_s for r in rows) / 60)
+            for a, rows in by_agent.items()
+        },
+        "wait_per_turn_s": {str(a): [r.latency_s for r in rows] for a, rows in by_agent.items()},
+        "mean_wait_s": statistics.fmean(r.latency_s for r in results),
+        "late_turn_wait_s": statistics.fmean(late),
+        "mean_ttft_s": statistics.fmean(r.ttft_s for r in results),
+    }

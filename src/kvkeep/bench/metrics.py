@@ -1,0 +1,139 @@
+"""What a scenario reads from the system under test besides the responses themselves.
+
+One Prometheus parser (`samples`), and what is built on it: vLLM's token counters
+(`vllm_counters`), the kvkeep connector's (`kvkeep_tokens`), and `Probe`, which bundles a
+server URL with the counters a scenario diffs around a measurement: vLLM's device and
+connector hits and, where a kvkeep cache server is deployed, its per-tier hits. A probe
+without a cache server reads no kvkeep tiers, so every mode reports the same fields.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+# vLLM metrics the instrument reads (counters, in tokens), summed over their labels.
+VLLM_COUNTERS = (
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:external_prefix_cache_queries_total",
+    "vllm:external_prefix_cache_hits_total",
+    "vllm:prompt_tokens_total",
+)
+KVKEEP_OPS = ("offered", "loaded", "load_failed", "saved")
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}]*)\})?\s+([-+0-9.eEinfNa]+)")
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) of every sample in a Prometheus text page (`#` lines skipped)."""
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m:
+            yield m.group(1), dict(_LABEL.findall(m.group(2) or "")), float(m.group(3))
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Sum every sample of each metric name over its labels."""
+    totals: dict[str, float] = {}
+    for name, _, value in samples(text):
+        totals[name] = totals.get(name, 0.0) + value
+    return totals
+
+
+def vllm_counters(url: str, names: Sequence[str] = VLLM_COUNTERS) -> dict[str, float]:
+    """The chosen counters from `{url}/metrics` (missing ones read as 0)."""
+    r = httpx.get(f"{url}/metrics", timeout=30)
+    r.raise_for_status()
+    totals = parse_prometheus(r.text)
+    return {name: totals.get(name, 0.0) for name in names}
+
+
+def kvkeep_tokens(url: str) -> dict[str, float]:
+    """The connector's `vllm:kvkeep_tokens_total` by op (tokens offered, loaded, failed to
+    load, saved); zeros when the connector is off."""
+    out = dict.fromkeys(KVKEEP_OPS, 0.0)
+    for name, labels, value in samples(httpx.get(f"{url}/metrics", timeout=30).text):
+        if name == "vllm:kvkeep_tokens_total" and "op" in labels:
+            out[labels["op"]] = out.get(labels["op"], 0.0) + value
+    return out
+
+
+def metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Counter increase between two scrapes."""
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+
+
+TierStats = Callable[[], "dict[str, Any] | None"]
+
+
+@dataclass(frozen=True)
+class Counters:
+    """A snapshot (or a difference) of every counter a scenario may diff."""
+
+    vllm: dict[str, float]
+    tier_hits: dict[str, float]
+
+    def __add__(self, other: Counters) -> Counters:
+        def add(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+            return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in {**a, **b}}
+
+        return Counters(add(self.vllm, other.vllm), add(self.tier_hits, other.tier_hits))
+
+
+@dataclass
+class Probe:
+    """A server's counters; ``url`` may be a callable for a server that restarts."""
+
+    url: str | Callable[[], str]
+    tier_stats: TierStats | None = None
+
+    def snapshot(self) -> Counters:
+        return Counters(vllm_counters(self.current_url()), self._tier_hits())
+
+    def current_url(self) -> str:
+        return self.url if isinstance(self.url, str) else self.url()
+
+    def _tier_hits(self) -> dict[str, float]:
+        try:  # a dead cache server reads as no hits; the scenario goes on
+            tiers = ((self.tier_stats() if self.tier_stats else None) or {}).get("tiers", {})
+        except Exception:
+            return {}
+        return {name: float(t.get("hits", 0)) for name, t in tiers.items()}
+
+    def delta(self, before: Counters) -> Counters:
+        after = self.snapshot()
+        hits = {k: v - before.tier_hits.get(k, 0.0) for k, v in after.tier_hits.items()}
+        return Counters(metrics_delta(before.vllm, after.vllm), hits)
+
+
+def cacheable_tokens(prompt_tokens: int, block_size: int) -> int:
+    """Tokens any prefix cache could serve: full blocks, never the prompt's last token."""
+    return ((prompt_tokens - 1) // block_size) * block_size
+
+
+def hit_split(delta: Counters, cacheable: int, block_size: int) -> dict[str, float]:
+    """Hit rates over `cacheable` tokens: device, connector, and kvkeep's tiers.
+
+    The kvkeep tiers split the connector's hits in proportion to the blocks each tier served
+    (RAM, disk or remote), because vLLM only counts the connector as a whole.
+    """
+    if cacheable <= 0:
+        return {"hit_rate": 0.0, "device_hit_rate": 0.0, "external_hit_rate": 0.0}
+    device = delta.vllm.get("vllm:prefix_cache_hits_total", 0.0)
+    external = delta.vllm.get("vllm:external_prefix_cache_hits_total", 0.0)
+    out = {
+        "hit_rate": (device + external) / cacheable,
+        "device_hit_rate": device / cacheable,
+        "external_hit_rate": external / cacheable,
+    }
+    served = sum(delta.tier_hits.values())
+    for tier, blocks in delta.tier_hits.items():
+        share = blocks / served if served else 0.0
+        out[f"{tier}_hit_rate"] = external * share / cacheable
+    return out

@@ -1,0 +1,78 @@
+"""Token-id prompts: long documents, the question appended to each, and querying them.
+
+A document is a run of token ids unique to its seed (`kvkeep.workload.random_ids`), so no two
+documents (and no two runs) share a prefix block. A query is a document followed by a short
+question, so that every query of a document shares its full blocks and differs only in its
+tail. Used by the capacity and restart scenarios.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from kvkeep.bench.metrics import Probe, cacheable_tokens, hit_split
+from kvkeep.endpoint import REQUEST_TIMEOUT_S, complete_ids, discover_model
+from kvkeep.workload import QUESTION_TOKENS, random_ids
+
+
+def documents(count: int, tokens: int, seed: str) -> list[list[int]]:
+    """`count` documents of `tokens` token ids, deterministic in `seed`."""
+    return [random_ids(tokens, f"docs:{seed}:{i}") for i in range(count)]
+
+
+def question(index: int, salt: int = 0) -> list[int]:
+    """The question appended to query `index` (vary `salt` for a new question)."""
+    return [10 + (index * 13 + salt * 7 + j) % 90 for j in range(QUESTION_TOKENS)]
+
+
+def query(
+    probe: Probe,
+    docs: list[list[int]],
+    block_size: int,
+    salt: int = 0,
+    progress: Callable[[], object] | None = None,
+) -> dict[str, Any]:
+    """Each document once, with its question: where the hits came from (`hit_split`), the
+    mean TTFT and each one (`ttfts_s`), and the tokens a cache could serve (`cacheable`)."""
+    return asyncio.run(_query(probe, docs, block_size, salt, progress))
+
+
+async def _query(
+    probe: Probe,
+    docs: list[list[int]],
+    block_size: int,
+    salt: int,
+    progress: Callable[[], object] | None,
+) -> dict[str, Any]:
+    before = probe.snapshot()
+    url = probe.current_url()
+    ttfts, cacheable = [], 0
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as client:
+        model = await discover_model(client, url)
+        for i, doc in enumerate(docs):
+            s = await complete_ids(client, url, model, doc + question(i, salt))
+            ttfts.append(s.ttft_s)
+            cacheable += cacheable_tokens(s.prompt_tokens, block_size)
+            if progress:
+                progress()
+    rates = hit_split(probe.delta(before), cacheable, block_size)
+    return {**rates, "ttft_s": statistics.fmean(ttfts), "ttfts_s": ttfts, "cacheable": cacheable}
+
+
+def reset_device_cache(url: str) -> None:
+    """Empty vLLM's device prefix cache and keep kvkeep's (vLLM's dev endpoints are on).
+
+    vLLM refuses while blocks are in use; it is retried for up to 10 s.
+    """
+    for _ in range(20):
+        r = httpx.post(f"{url}/reset_prefix_cache", params={"reset_external": "false"}, timeout=30)
+        if r.status_code == 200 and r.json().get("success", True):
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"{url}/reset_prefix_cache did not succeed: HTTP {r.status_code} {r.text}")

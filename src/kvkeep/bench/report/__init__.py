@@ -1,0 +1,60 @@
+"""Reports from scenario results: `report.md`, `report.html`, `results.json` and PNG files.
+
+A results document is either one scenario (`{"scenario": NAME, "modes": {...}}`) or several
+(`{"scenarios": {NAME: {"scenario": NAME, "modes": {...}}}}`). Every number in a table is
+measured in the run that produced the document, except the column headed "study", which
+quotes the published study the benchmark reproduces.
+
+    __init__.py     markdown() and write_report()
+    results.py      the document's two shapes, read alike; the scenarios that failed
+    tables.py       one Markdown table per scenario, and the study's claims side by side
+    plots.py        the PNG plots
+    html.py         report.html: the tables and plots in one self-contained page
+    environment.py  the machine and versions, recorded beside every result
+    soak.py         `bench soak`'s own table and plot
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kvkeep.bench.report import plots, tables
+from kvkeep.bench.report.environment import markdown as env_markdown
+from kvkeep.bench.report.html import html
+from kvkeep.bench.report.results import errors, scenarios
+
+__all__ = ["errors", "markdown", "scenarios", "write_report"]
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    """The report's tables, one section per scenario, as Markdown."""
+    parts = [tables.TABLES[name](d) for name, d in scenarios(doc).items() if name in tables.TABLES]
+    if "scenarios" in doc and len(parts) > 2:
+        parts.insert(0, tables.claims_table(doc))
+    if isinstance(doc.get("environment"), dict):
+        parts.append(env_markdown(doc["environment"]))
+    failed = errors(doc)
+    if failed:
+        lines = [f"- {name}, mode {mode}: {error}" for name, mode, error in failed]
+        parts.insert(0, "## Failed: these results are missing\n\n" + "\n".join(lines))
+    return "\n\n".join(parts) + "\n"
+
+
+def write_report(doc: dict[str, Any], out: Path) -> list[Path]:
+    """Write report.md, results.json and the plots into `out`; returns the paths written."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
+    paths: list[Path] = []
+    docs = scenarios(doc)
+    for name, d in docs.items():
+        if name == "agents":
+            paths += plots.plot_agents(d, out, docs.get("agents_fit"))
+        elif name in plots.PLOTS:
+            paths += plots.PLOTS[name](d, out)
+    body = "# kvkeep bench report\n\n" + markdown(doc)
+    body += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in paths) + "\n"
+    (out / "report.md").write_text(body)
+    (out / "report.html").write_text(html(body, paths))
+    return [out / "report.md", out / "results.json", out / "report.html", *paths]

@@ -1,0 +1,39 @@
+"""The Scenario contract: every `kvkeep bench` experiment is one of these.
+
+A scenario says what it needs (`Needs`) and measures in ``run(ctx)``, where `RunContext`
+hands it the deployment of one mode: the URL, probes, the engine to restart and the cache
+server to restart, kill or read. It returns a JSON-ready dict. It never starts vLLM or a
+cache server itself; the one mode loop (`suite.run_modes`) deploys what ``needs()`` asks for,
+the same way whether the scenario runs alone or in `bench all`.
+
+A scenario raises on failure; the mode loop records ``{"error": ...}`` for that mode and goes
+on with the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Protocol
+
+from kvkeep.bench.context import Needs, RunContext
+
+__all__ = ["Needs", "RunContext", "Scenario", "parse_sizes"]
+
+
+class Scenario(Protocol):
+    name: str
+
+    def needs(self) -> Needs: ...
+
+    def run(self, ctx: RunContext) -> dict[str, Any]: ...
+
+
+def parse_sizes(text: str) -> list[int]:
+    """`4096,16384` -> [4096, 16384]: token counts of at least 16, for argparse."""
+    try:
+        sizes = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want integers like 4096,16384, got {text!r}") from None
+    if not sizes or min(sizes) < 16:
+        raise argparse.ArgumentTypeError("want token counts of at least 16")
+    return sizes

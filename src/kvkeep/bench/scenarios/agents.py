@@ -1,0 +1,119 @@
+"""`kvkeep bench agents` (S5): N coding agents on one engine, closed loop.
+
+Each agent runs its own session from the workload generator: it sends a turn, waits for the
+whole answer, "runs" its tool for `tool_delay_s`, then sends the next turn. Throughput is turns
+per minute across all agents; the wait per turn is the request latency an agent sees. The study
+saw about 8 turns/min without caching and about 60 with it, and a late turn's wait fall from
+about 104 s to 2.1 s.
+
+Whether caching helps depends on whether the agents' working set (every agent's context)
+fits in the device pool, so the scenario reports that ratio next to the results.
+
+With `--replicas N` (mode kvkeep), the agents' turns go round-robin over N vLLMs, each with
+its own cache server, as on separate hosts: a turn's prefix was computed on another replica,
+so with the shared store (`--remote URL`, or a private redis-server) it is a remote hit, and
+without it (`--no-shared-store`) a recompute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from tqdm import tqdm
+
+from kvkeep.bench.context import RunContext
+from kvkeep.bench.http import run_agents, summarize_agents
+from kvkeep.bench.metrics import hit_split
+from kvkeep.bench.scenario import Needs
+from kvkeep.bench.scenarios import session
+from kvkeep.workload import SessionSpec, TokenCounter, generate_sessions
+
+
+@dataclass
+class AgentsScenario:
+    spec: SessionSpec
+    counter: TokenCounter
+    agents: int = 8
+    tool_delay_s: float = 0.5
+    pool_tokens: int | None = None  # the device pool, to report the working-set ratio
+    block_size: int = 128
+    replicas: int = 1
+    shared_store: bool = True  # with replicas > 1
+    name: str = "agents"
+
+    def needs(self) -> Needs:
+        if self.replicas == 1:
+            return Needs(tokens=session.session_tokens(self.spec))
+        return Needs(tokens=session.session_tokens(self.spec), modes=("kvkeep",),
+                     own_engine=True, replicas=self.replicas,
+                     shared_store=self.shared_store)  # fmt: skip
+
+    def run(self, ctx: RunContext) -> dict[str, Any]:
+        if self.agents < 1 or self.replicas < 1:
+            raise ValueError("--agents and --replicas must be at least 1")
+        sessions = generate_sessions(self.spec, self.counter, self.agents)
+        probes = [ctx.probe(i) for i in range(len(ctx.urls))]
+        before = [p.snapshot() for p in probes]
+        t0 = time.perf_counter()
+        with tqdm(total=sum(map(len, sessions)), desc=f"  {self.agents} agents' turns",
+                  leave=False) as bar:  # fmt: skip
+            results = asyncio.run(
+                run_agents(ctx.urls, sessions, self.tool_delay_s, lambda _: bar.update())
+            )
+        wall = time.perf_counter() - t0
+        delta = functools.reduce(
+            lambda a, b: a + b, (p.delta(b) for p, b in zip(probes, before, strict=True))
+        )
+        out = summarize_agents(results, wall, self.agents)
+        prompt = sum(r.prompt_tokens for r in results)
+        out.update(hit_split(delta, prompt, self.block_size))
+        if self.replicas > 1:
+            out.update(replicas=self.replicas, shared_store=self.shared_store,
+                       routing="round robin per turn")  # fmt: skip
+            return out
+        out["cached_fraction"] = sum(r.cached_tokens for r in results) / prompt
+        out["working_set_tokens"] = self.agents * self.spec.final_target
+        if self.pool_tokens:
+            out["working_set_over_pool"] = out["working_set_tokens"] / self.pool_tokens
+        out.update(tool_delay_s=self.tool_delay_s, spec=asdict(self.spec),
+                   block_size=self.block_size, prompt_tokens=prompt)  # fmt: skip
+        if self.pool_tokens:
+            out["pool_blocks"] = self.pool_tokens // self.block_size
+        return out
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    session.add_args(p)
+    p.add_argument("--agents", type=int, default=8)
+    p.add_argument("--tool-delay", type=float, default=0.5, help="seconds a tool call takes")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="vLLM replicas, each with its own kvkeep server, turns round-robin",
+    )
+    p.add_argument(
+        "--remote",
+        metavar="URL",
+        help="with --replicas: the shared Valkey/Redis (default: a private one)",
+    )
+    p.add_argument("--no-shared-store", action="store_true",
+                   help="with --replicas: no shared tier, for comparison")  # fmt: skip
+    p.set_defaults(scale=0.05)
+
+
+def build(args: argparse.Namespace) -> list[AgentsScenario]:
+    spec, counter = session.session_spec(args), session.token_counter(args)
+    if args.replicas > 1:
+        store = "no shared store" if args.no_shared_store else "shared store"
+        return [AgentsScenario(spec, counter, agents=args.agents, tool_delay_s=args.tool_delay,
+                               replicas=args.replicas, shared_store=not args.no_shared_store,
+                               name=f"agents_replicas@{store}")]  # fmt: skip
+    pool = args.num_blocks * 128 if args.num_blocks else None
+    return [AgentsScenario(spec, counter, agents=args.agents, tool_delay_s=args.tool_delay,
+                           pool_tokens=pool)]  # fmt: skip

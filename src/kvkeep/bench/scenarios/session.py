@@ -1,0 +1,125 @@
+"""`kvkeep bench session` (S1): one coding-agent session, turn by turn.
+
+Per turn: prompt, cached and computed tokens and TTFT; the totals the study quotes (115k
+tokens on the last turn and more than 2M in all at scale 1, ten times less with a cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from kvkeep.bench.context import RunContext
+from kvkeep.bench.http import TurnResult, run_agents
+from kvkeep.bench.metrics import metrics_delta, vllm_counters
+from kvkeep.bench.scenario import Needs
+from kvkeep.workload import (
+    DEFAULT_SCALE,
+    CharEstimate,
+    HFTokenizer,
+    SessionGenerator,
+    SessionSpec,
+    TokenCounter,
+)
+
+
+def session_tokens(spec: SessionSpec) -> int:
+    """The longest prompt plus output of a session (with 10% for the token estimate)."""
+    return int(spec.final_target * 1.1) + spec.max_output_tokens + 256
+
+
+@dataclass
+class SessionScenario:
+    spec: SessionSpec
+    counter: TokenCounter
+    name: str = "session"
+
+    def needs(self) -> Needs:
+        return Needs(tokens=session_tokens(self.spec))
+
+    def run(self, ctx: RunContext) -> dict[str, Any]:
+        turns = SessionGenerator(self.spec, self.counter).turns()
+        before = vllm_counters(ctx.url)
+        t0 = time.perf_counter()
+        with tqdm(total=len(turns), desc="  session turns", unit="turn", leave=False) as bar:
+            results = asyncio.run(run_agents([ctx.url], [turns], progress=lambda _: bar.update()))
+        wall = time.perf_counter() - t0
+        return summarize_session(results, wall, metrics_delta(before, vllm_counters(ctx.url)))
+
+
+def summarize_session(
+    results: Sequence[TurnResult], wall_s: float, metrics: dict[str, float]
+) -> dict[str, Any]:
+    """Per-turn rows plus the totals the study quotes."""
+    rows = sorted(results, key=lambda r: (r.agent, r.turn))
+    prompt = sum(r.prompt_tokens for r in rows)
+    computed = sum(r.computed_tokens for r in rows)
+    return {
+        "turns": [
+            {k: v for k, v in r.to_dict().items() if k not in ("agent", "start_s")} for r in rows
+        ],
+        "total_prompt_tokens": prompt,
+        "total_cached_tokens": prompt - computed,
+        "total_computed_tokens": computed,
+        "last_turn_prompt_tokens": rows[-1].prompt_tokens,
+        "last_turn_computed_tokens": rows[-1].computed_tokens,
+        "max_turn_computed_tokens": max(r.computed_tokens for r in rows),
+        "reread_ratio": prompt / computed if computed else None,
+        "ttft_mean_s": sum(r.ttft_s for r in rows) / len(rows),
+        "last_turn_ttft_s": rows[-1].ttft_s,
+        "session_s": wall_s,
+        "vllm_metrics": metrics,
+    }
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """The session's shape (also `bench agents`')."""
+    d = SessionSpec()
+    p.add_argument("--turns", type=int, default=d.turns)
+    p.add_argument(
+        "--final-context",
+        type=int,
+        default=d.final_context_tokens,
+        help="last turn's context in tokens at --scale 1 (the study's 115k)",
+    )
+    p.add_argument(
+        "--scale",
+        type=float,
+        default=DEFAULT_SCALE,
+        help=f"multiply every size by this (default {DEFAULT_SCALE})",
+    )
+    p.add_argument("--max-output-tokens", type=int, default=d.max_output_tokens)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--tokenizer", type=Path,
+                   help="tokenizer that sizes the turns (default: --model's)")  # fmt: skip
+
+
+def session_spec(args: argparse.Namespace) -> SessionSpec:
+    spec = SessionSpec(turns=args.turns, final_context_tokens=args.final_context,
+                       scale=args.scale, max_output_tokens=args.max_output_tokens,
+                       seed=args.seed)  # fmt: skip
+    spec.validate()
+    return spec
+
+
+def token_counter(args: argparse.Namespace) -> TokenCounter:
+    """The model's own tokenizer when one is at hand, else a character estimate."""
+    for path in (args.tokenizer, args.model):
+        if path is not None and (path / "tokenizer.json" if path.is_dir() else path).is_file():
+            return HFTokenizer(path)
+    return CharEstimate()
+
+
+def build(args: argparse.Namespace) -> list[SessionScenario]:
+    return [SessionScenario(session_spec(args), token_counter(args))]
+
+
+def document(args: argparse.Namespace) -> dict[str, Any]:
+    return {"spec": asdict(session_spec(args))}

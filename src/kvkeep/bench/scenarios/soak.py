@@ -1,0 +1,400 @@
+"""`kvkeep bench soak --minutes M`: agents on kvkeep while the cache server and vLLM die.
+
+For M minutes, N closed-loop coding agents replay their sessions (turn 0..T-1, again and
+again) against vLLM in mode kvkeep, while a schedule of faults runs beside them:
+
+- the cache server is SIGKILLed, stays down for ``down_s``, and is started again on the same
+  directory (RAM is lost; the disk tier survives). With ``corrupt`` on, bytes of its disk
+  segments are flipped while it is down (every other kill) and while it runs (half-way
+  between kills);
+- vLLM itself is restarted (SIGTERM to its process group, then a fresh start).
+
+What it reports:
+
+- ``failed_requests``: requests that did not complete while vLLM was up (must be 0: a dead,
+  slow or corrupt cache costs speed, never a request). A request in flight when *vLLM* is
+  restarted fails through no fault of kvkeep; it is counted in
+  ``requests_lost_to_engine_restart`` and retried once the new engine answers.
+- ``wrong_outputs``: replies that are wrong by ``kvkeep.bench.criterion``'s rule for a cold
+  reference: a token differs where the reference had no tie, or a logprob differs by more
+  than ``DRIFT_TOL`` where the tokens agree. The reference for each distinct prompt is
+  computed once, before the clock starts, by the same engine with a fresh random
+  ``cache_salt``: a salt roots both vLLM's and kvkeep's block hashes, so that request can hit
+  no cache and is computed from scratch. Under 8 concurrent agents the KV of a turn comes
+  from differently batched and chunked steps, so the exact rule (equal to vLLM's own hit on
+  the same copy) does not apply here; the end-to-end tests check that one.
+  ``replies_compared`` and ``tokens_compared`` say how much was judged, ``ties_broken`` how
+  many replies went the other way at a tie, and ``max_logprob_diff`` is the largest
+  difference where tokens agreed.
+- the hit rate per time window (cached prompt tokens from vLLM's usage, and blocks kvkeep's
+  server served), and the private RSS of the cache server and of vLLM's process tree over
+  time, with the growth between the middle and the last third of the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, NamedTuple
+
+import httpx
+
+from kvkeep.bench.context import RunContext
+from kvkeep.bench.criterion import DRIFT_TOL, TOP_ALTERNATIVES, Verdict, same_as_cold
+from kvkeep.bench.criterion import Reply as Judged
+from kvkeep.bench.deploy.vllm import VLLMServer
+from kvkeep.bench.http import agent_loop
+from kvkeep.bench.scenario import Needs
+from kvkeep.bench.scenarios.soak_faults import (
+    Faults,
+    Sample,
+    Sampler,
+    SoakSpec,
+    rss_growth,
+)
+from kvkeep.workload import HFTokenizer, SessionSpec, Turn, generate_sessions
+
+# A soak turn (a small session) takes seconds: one stuck this long is a failed request, and
+# the run goes on (the bench's own REQUEST_TIMEOUT_S waits for 16k-token cold prefills).
+TURN_TIMEOUT_S = 300.0
+
+
+# --- the run --------------------------------------------------------------------------------------
+
+
+@dataclass
+class SoakScenario:
+    """The whole soak on the context's vLLM and cache server, which it kills and restarts."""
+
+    spec: SoakSpec
+    name: str = "soak"
+
+    def needs(self) -> Needs:
+        return Needs(modes=("kvkeep",), own_engine=True, tokens=self.spec.max_model_len,
+                     num_blocks=self.spec.num_blocks)  # fmt: skip
+
+    def run(self, ctx: RunContext) -> dict[str, Any]:
+        spec = self.spec
+        spec.validate()
+        assert ctx.cache is not None, "the soak runs in mode kvkeep"
+        session = SessionSpec(turns=spec.turns, scale=spec.scale,
+                              max_output_tokens=spec.max_output_tokens, seed=spec.seed)  # fmt: skip
+        sessions = generate_sessions(session, HFTokenizer(ctx.model), spec.agents)
+        print(f"soak: {sum(map(len, sessions))} reference replies, no cache", file=sys.stderr)
+        t_ref = time.monotonic()
+        refs = asyncio.run(references(ctx.url, sessions))
+        ref_s = time.monotonic() - t_ref
+        print(f"soak: {spec.minutes} min of agents and faults", file=sys.stderr)
+        t0 = time.monotonic()
+        sampler = Sampler(ctx.cache, ctx.engine, spec.sample_every_s, t0)
+        faults = Faults(spec, ctx.cache, ctx.engine)
+        sampler.start()
+        faults.start(t0, sampler)
+        try:
+            tally = asyncio.run(judged_agents(ctx.engine, sessions, refs, t0 + spec.duration_s, t0))
+        finally:
+            faults.stop()
+            sampler.stop()
+        out = summarize(spec, tally, faults, sampler.samples)
+        out["reference_s"] = ref_s
+        out["wall_s"] = time.monotonic() - t0
+        return out
+
+
+# --- agents, judged -----------------------------------------------------------------------------
+
+
+class Reply(NamedTuple):
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    prompt_tokens: int
+    cached_tokens: int
+    top: tuple[dict[int, float], ...] = ()
+
+    def judged(self) -> Judged:
+        return Judged(self.token_ids, self.logprobs, self.top)
+
+
+class Result(NamedTuple):
+    t_s: float
+    agent: int
+    turn: int
+    latency_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    wrong: bool
+    logprob_diff: float
+    tokens_compared: int = 0
+    tie_broken: bool = False
+
+
+@dataclass
+class Tally:
+    """What the agents saw; mutated only on the event loop's thread."""
+
+    results: list[Result] = field(default_factory=list)
+    failed: int = 0
+    lost_to_engine_restart: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+def chat_body(turn: Turn, salt: str | None = None) -> dict[str, Any]:
+    """A greedy chat request that returns its output as token ids with logprobs."""
+    body: dict[str, Any] = {
+        "model": "kvkeep-tiny",
+        "messages": turn.messages,
+        "tools": turn.tools,
+        "max_tokens": turn.max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "logprobs": True,
+        "top_logprobs": TOP_ALTERNATIVES,  # the criterion tells a tie from a wrong token
+        "return_tokens_as_token_ids": True,
+    }
+    if salt is not None:
+        body["cache_salt"] = salt
+    return body
+
+
+async def ask(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Reply:
+    """POST one chat request; raises httpx.HTTPError on any transport or HTTP error."""
+    r = await client.post(f"{url}/v1/chat/completions", json=body, timeout=TURN_TIMEOUT_S)
+    r.raise_for_status()
+    doc = r.json()
+    content = doc["choices"][0]["logprobs"]["content"]
+    usage = doc["usage"]
+    return Reply(
+        tuple(_token_id(c["token"]) for c in content),
+        tuple(float(c["logprob"]) for c in content),
+        int(usage["prompt_tokens"]),
+        int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
+        tuple(
+            {_token_id(t["token"]): float(t["logprob"]) for t in c.get("top_logprobs") or ()}
+            for c in content
+        ),
+    )
+
+
+def _token_id(text: str) -> int:
+    return int(text.removeprefix("token_id:"))
+
+
+async def references(url: str, sessions: Sequence[Sequence[Turn]]) -> dict[tuple[int, int], Reply]:
+    """The no-cache reply of every distinct prompt: a fresh random cache_salt per request
+    roots its block hashes in vLLM and in kvkeep where nothing is cached."""
+    out: dict[tuple[int, int], Reply] = {}
+    gate = asyncio.Semaphore(2)
+    async with httpx.AsyncClient(timeout=TURN_TIMEOUT_S) as client:
+
+        async def one(agent: int, turn: Turn) -> None:
+            async with gate:
+                body = chat_body(turn, salt=f"soak-ref-{uuid.uuid4().hex}")
+                out[(agent, turn.index)] = await ask(client, url, body)
+
+        await asyncio.gather(*(one(a, t) for a, turns in enumerate(sessions) for t in turns))
+    return out
+
+
+async def judged_agents(
+    engine: VLLMServer,
+    sessions: Sequence[Sequence[Turn]],
+    refs: dict[tuple[int, int], Reply],
+    until: float,
+    t0: float,
+) -> Tally:
+    """Every agent replays its session in a loop until ``until`` (monotonic)."""
+    tally = Tally()
+
+    async def step(client: httpx.AsyncClient, a: int, turn: Turn) -> None:
+        await _turn(client, engine, a, turn, refs[(a, turn.index)], tally, t0)
+
+    await agent_loop(sessions, step, until=until)
+    return tally
+
+
+async def _turn(
+    client: httpx.AsyncClient,
+    engine: VLLMServer,
+    agent: int,
+    turn: Turn,
+    ref: Reply,
+    tally: Tally,
+    t0: float,
+) -> None:
+    """One turn, retried after an engine restart cut it; a failure of any other kind is
+    counted in ``tally.failed`` (and retried too, so the agent moves on)."""
+    for _ in range(5):
+        url, generation = await asyncio.to_thread(engine.current)
+        start = time.monotonic()
+        try:
+            reply = await ask(client, url, chat_body(turn))
+        except (httpx.HTTPError, KeyError, ValueError) as exc:
+            if engine.generation != generation or engine.restarting:
+                tally.lost_to_engine_restart += 1
+            else:
+                tally.failed += 1
+                tally.errors.append(f"agent {agent} turn {turn.index}: {exc!r}"[:300])
+                await asyncio.sleep(1.0)
+            continue
+        if engine.generation != generation:
+            # vLLM's shutdown aborts requests in flight, and may answer them with 200 and a
+            # truncated output: a reply that spans a restart is the restart's, not kvkeep's
+            tally.lost_to_engine_restart += 1
+            continue
+        verdict = same_as_cold(reply.judged(), ref.judged())
+        if not verdict:
+            tally.errors.append(f"agent {agent} turn {turn.index} at {start - t0:.1f} s: "
+                                f"{verdict.why}: {reply.token_ids} vs reference "
+                                f"{ref.token_ids}")  # fmt: skip
+        tally.results.append(_result(start - t0, agent, turn.index, reply, verdict, start))
+        return
+
+
+def _result(
+    t_s: float, agent: int, turn: int, reply: Reply, verdict: Verdict, start: float
+) -> Result:
+    return Result(
+        t_s,
+        agent,
+        turn,
+        time.monotonic() - start,
+        reply.prompt_tokens,
+        reply.cached_tokens,
+        not verdict.ok,
+        verdict.worst,
+        verdict.compared,
+        verdict.ok and bool(verdict.why),
+    )
+
+
+def summarize(
+    spec: SoakSpec,
+    tally: Tally,
+    faults: Faults,
+    samples: Sequence[Sample],
+) -> dict[str, Any]:
+    """The JSON document of a run."""
+    results = tally.results
+    last = samples[-1] if samples else None
+    diffs = [r.logprob_diff for r in results]
+    return {
+        "scenario": "soak",
+        "spec": asdict(spec),
+        "requests": len(results),
+        "failed_requests": tally.failed,
+        "requests_lost_to_engine_restart": tally.lost_to_engine_restart,
+        "wrong_outputs": sum(r.wrong for r in results),
+        "replies_compared": len(results),
+        "tokens_compared": sum(r.tokens_compared for r in results),
+        "ties_broken": sum(r.tie_broken for r in results),
+        "drift_tolerance": DRIFT_TOL,
+        "max_logprob_diff": max(diffs, default=0.0),
+        "server_kills": faults.count("server_kill"),
+        "engine_restarts": faults.count("engine_restart"),
+        "live_corruptions": faults.count("corrupt_live"),
+        "bytes_flipped": faults.flipped,
+        "disk_checksum_failures": last.disk_checksum_failures if last else 0,
+        "kvkeep_hit_blocks": last.kvkeep_hit_blocks if last else 0,
+        "kvkeep_loaded_tokens": last.loaded_tokens if last else 0,
+        "kvkeep_load_failed_tokens": last.load_failed_tokens if last else 0,
+        "cached_fraction": _fraction(results),
+        "latency_p50_s": _pct(results, 0.5),
+        "latency_p99_s": _pct(results, 0.99),
+        "hit_rate_over_time": hit_windows(results, samples, spec.duration_s),
+        "rss_over_time": [
+            {"t_s": round(s.t_s, 1), "server_mb": s.server_mb, "vllm_mb": s.vllm_mb}
+            for s in samples
+        ],
+        "rss_growth_mb": rss_growth(samples),
+        "events": [e._asdict() for e in faults.events],
+        "fault_errors": faults.errors,
+        "errors": tally.errors[:20],
+    }
+
+
+def _fraction(results: Sequence[Result]) -> float:
+    prompt = sum(r.prompt_tokens for r in results)
+    return sum(r.cached_tokens for r in results) / prompt if prompt else 0.0
+
+
+def _pct(results: Sequence[Result], q: float) -> float | None:
+    lat = sorted(r.latency_s for r in results)
+    return lat[min(len(lat) - 1, int(q * len(lat)))] if lat else None
+
+
+def hit_windows(
+    results: Sequence[Result], samples: Sequence[Sample], duration_s: float, windows: int = 12
+) -> list[dict[str, Any]]:
+    """Per window: requests, the cached fraction of prompt tokens (vLLM's usage, local and
+    kvkeep), and blocks kvkeep served (server counters, across restarts)."""
+    width = duration_s / windows
+    out = []
+    for w in range(windows):
+        lo, hi = w * width, (w + 1) * width
+        rows = [r for r in results if lo <= r.t_s < hi]
+        out.append(
+            {
+                "t_s": round(lo, 1),
+                "requests": len(rows),
+                "cached_fraction": round(_fraction(rows), 4),
+                "kvkeep_hit_blocks": _delta(samples, lo, hi),
+            }
+        )
+    return out
+
+
+def _delta(samples: Sequence[Sample], lo: float, hi: float) -> float:
+    inside = [s.kvkeep_hit_blocks for s in samples if lo <= s.t_s < hi]
+    before = [s.kvkeep_hit_blocks for s in samples if s.t_s < lo]
+    if not inside:
+        return 0.0
+    return inside[-1] - (before[-1] if before else 0.0)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    d = SoakSpec()
+    p.add_argument("--minutes", type=float, default=d.minutes)
+    p.add_argument("--agents", type=int, default=d.agents)
+    p.add_argument("--turns", type=int, default=d.turns)
+    p.add_argument("--scale", type=float, default=d.scale)
+    p.add_argument("--kill-every", type=float, help="seconds between cache-server SIGKILLs")
+    p.add_argument("--restart-every", type=float, help="seconds between vLLM restarts")
+    p.add_argument(
+        "--down", type=float, default=d.down_s, help="seconds a killed server stays down"
+    )
+    p.add_argument("--no-corrupt", action="store_true", help="kill only; flip no disk bytes")
+    p.add_argument("--num-blocks", type=int, default=d.num_blocks, help="vLLM's device pool")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.set_defaults(modes=["kvkeep"], cache_ram=d.cache_ram, cache_disk=d.cache_disk)  # fmt: skip
+
+
+def build(args: argparse.Namespace) -> list[SoakScenario]:
+    spec = SoakSpec(minutes=args.minutes, agents=args.agents, turns=args.turns, scale=args.scale,
+                    kill_every_s=args.kill_every, restart_every_s=args.restart_every,
+                    down_s=args.down, corrupt=not args.no_corrupt, num_blocks=args.num_blocks,
+                    seed=args.seed, cache_ram=args.cache_ram,
+                    cache_disk=args.cache_disk)  # fmt: skip
+    spec.validate()
+    return [SoakScenario(spec)]
+
+
+def output(doc: dict[str, Any], args: argparse.Namespace) -> int:
+    """Print the table; --json: the document and a PNG beside it. Exit 1 if a request failed
+    or an output was wrong."""
+    from kvkeep.bench.report.soak import plot, table
+
+    if "error" in doc:
+        return 1
+    print(table(doc))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        png = plot(doc, args.json.with_suffix(".png"))
+        print(f"JSON written to {args.json}" + (f", plot {png}" if png else ""), file=sys.stderr)
+    return 0 if doc["failed_requests"] == 0 and doc["wrong_outputs"] == 0 else 1

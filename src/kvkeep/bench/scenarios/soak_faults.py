@@ -1,0 +1,331 @@
+"""`bench soak`'s faults and what watches them: the schedule (`schedule`), the thread that
+kills the cache server, corrupts its disk and restarts vLLM (`Faults`), and the thread that
+samples counters and memory meanwhile (`Sampler`), with counters that survive the restarts
+(`Monotonic`) and the summaries of its samples (`hit_windows`, `rss_growth`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import httpx
+import psutil
+
+from kvkeep.bench.deploy.cache import CacheServer
+from kvkeep.bench.deploy.vllm import VLLMServer
+from kvkeep.bench.metrics import kvkeep_tokens
+
+
+@dataclass(frozen=True)
+class SoakSpec:
+    """One soak run. Fault intervals default to fractions of the run: with ``minutes=10``
+    the cache server is killed 6 times and vLLM restarted twice."""
+
+    minutes: float = 10.0
+    agents: int = 8
+    turns: int = 6
+    scale: float = 0.02
+    max_output_tokens: int = 8
+    kill_every_s: float | None = None
+    restart_every_s: float | None = None
+    down_s: float = 2.0
+    corrupt: bool = True
+    sample_every_s: float = 5.0
+    cache_ram: str = "256MiB"
+    cache_disk: str = "1GiB"
+    num_blocks: int = 96  # a small device pool, so kvkeep serves what vLLM evicted
+    max_model_len: int = 4096
+    timeout_s: float = 1.0
+    seed: int = 0
+
+    @property
+    def duration_s(self) -> float:
+        return self.minutes * 60
+
+    @property
+    def kill_interval_s(self) -> float:
+        return self.kill_every_s or self.duration_s / 6.5
+
+    @property
+    def restart_interval_s(self) -> float:
+        return self.restart_every_s or self.duration_s / 2.5
+
+    def validate(self) -> None:
+        """Raise ValueError naming the option to change."""
+        if self.minutes <= 0:
+            raise ValueError("--minutes must be positive")
+        if self.agents < 1 or self.turns < 1:
+            raise ValueError("--agents and --turns must be at least 1")
+        if self.kill_interval_s <= self.down_s:
+            raise ValueError("--kill-every must be longer than the downtime (--down)")
+
+
+class Event(NamedTuple):
+    """A fault, ``t_s`` seconds into the run."""
+
+    t_s: float
+    kind: str  # server_kill | engine_restart | corrupt_live
+    took_s: float = 0.0
+    detail: str = ""
+
+
+def schedule(spec: SoakSpec) -> list[Event]:
+    """The faults of a run, in time order. Pure.
+
+    Kills fall every ``kill_interval_s``, engine restarts every ``restart_interval_s`` (a
+    kill that would land within 10 s of a restart moves 10 s later), and with ``corrupt``
+    a live corruption half-way after every other kill."""
+    end = spec.duration_s
+    restarts = _ticks(spec.restart_interval_s, end)
+    kills = [_avoid(t, restarts) for t in _ticks(spec.kill_interval_s, end)]
+    events = [Event(t, "engine_restart") for t in restarts]
+    events += [Event(t, "server_kill") for t in kills if t < end]
+    if spec.corrupt:
+        half = spec.kill_interval_s / 2
+        events += [Event(t + half, "corrupt_live") for t in kills[::2] if t + half < end]
+    return sorted(events)
+
+
+def _ticks(every: float, end: float) -> list[float]:
+    return [every * k for k in range(1, int(end / every) + 1) if every * k < end]
+
+
+def _avoid(t: float, others: Sequence[float], gap: float = 10.0) -> float:
+    return t + gap if any(abs(t - o) < gap for o in others) else t
+
+
+# --- the cache server's disk, corrupted -----------------------------------------------------
+
+
+def corrupt_segments(directory: Path, rng: random.Random, flips: int = 8) -> tuple[str, int]:
+    """Flip one byte at each of ``flips`` random places in the disk tier's segment logs under
+    ``directory`` (in place: a running server reads the same inode). Returns what it did and
+    how many bytes it flipped."""
+    logs = sorted((directory / "disk").glob("seg-*.log"))
+    logs = [p for p in logs if p.stat().st_size > 0]
+    if not logs:
+        return "no segment to corrupt", 0
+    flipped = 0
+    for _ in range(flips):
+        path = rng.choice(logs)
+        with contextlib.suppress(OSError), open(path, "r+b") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                continue
+            f.seek(rng.randrange(size))
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+            flipped += 1
+    return f"{flips} bytes flipped in {len(logs)} segments", flipped
+
+
+# --- counters that survive restarts ------------------------------------------------------------
+
+
+class Monotonic:
+    """A sum of counters that reset when their process restarts: a value lower than the last
+    one seen starts a new epoch. Call ``see`` often (and right before a planned kill)."""
+
+    def __init__(self) -> None:
+        self._base: dict[str, float] = {}
+        self._last: dict[str, float] = {}
+
+    def see(self, values: dict[str, float]) -> None:
+        for name, value in values.items():
+            last = self._last.get(name, 0.0)
+            if value < last:
+                self._base[name] = self._base.get(name, 0.0) + last
+            self._last[name] = value
+
+    def total(self, name: str) -> float:
+        return self._base.get(name, 0.0) + self._last.get(name, 0.0)
+
+
+def server_counters(stats: dict[str, Any] | None) -> dict[str, float]:
+    if not stats:
+        return {}
+    tiers = stats.get("tiers", {})
+    out: dict[str, float] = {}
+    for tier in ("ram", "disk"):
+        for name in ("hits", "checksum_failures"):
+            out[f"{tier}_{name}"] = float(tiers.get(tier, {}).get(name, 0))
+    return out
+
+
+def private_rss_mb(pid: int | None, tree: bool) -> float | None:
+    """Resident bytes not shared with other processes (the arena's pages are shared), in MB,
+    summed over the process's children when ``tree``."""
+    if pid is None:
+        return None
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)] if tree else [root]
+        total = 0
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                info = p.memory_info()
+                total += info.rss - info.shared
+        return total / 1e6
+    except psutil.Error:
+        return None
+
+
+class Sample(NamedTuple):
+    t_s: float
+    server_pid: int | None
+    engine_generation: int
+    server_mb: float | None
+    vllm_mb: float | None
+    kvkeep_hit_blocks: float
+    disk_checksum_failures: float
+    loaded_tokens: float
+    load_failed_tokens: float
+
+
+class Sampler:
+    """Samples memory and counters every ``every_s`` on its own thread."""
+
+    def __init__(self, cache: CacheServer, engine: VLLMServer, every_s: float, t0: float) -> None:
+        self.cache, self.engine, self.every_s, self.t0 = cache, engine, every_s, t0
+        self.server = Monotonic()
+        self.vllm = Monotonic()
+        self.samples: list[Sample] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="soak-sampler", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.sample()
+
+    def sample(self) -> None:
+        """Read counters and memory now (thread-safe; the fault thread calls it before a
+        kill so no counts are lost with the process)."""
+        with self._lock:
+            self.server.see(server_counters(self.cache.stats()))
+            with contextlib.suppress(httpx.HTTPError):
+                self.vllm.see(kvkeep_tokens(self.engine.url))
+            s = self.server
+            self.samples.append(
+                Sample(
+                    time.monotonic() - self.t0,
+                    self.cache.pid,
+                    self.engine.generation,
+                    private_rss_mb(self.cache.pid, tree=False),
+                    private_rss_mb(self.engine.pid, tree=True),
+                    s.total("ram_hits") + s.total("disk_hits"),
+                    s.total("disk_checksum_failures") + s.total("ram_checksum_failures"),
+                    self.vllm.total("loaded"),
+                    self.vllm.total("load_failed"),
+                )
+            )
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        self.sample()
+
+
+# --- faults thread ----------------------------------------------------------------------------
+
+
+class Faults:
+    """Runs the schedule on its own thread; ``events`` records what was done and how long."""
+
+    def __init__(self, spec: SoakSpec, cache: CacheServer, engine: VLLMServer) -> None:
+        self.spec, self.cache, self.engine = spec, cache, engine
+        self.rng = random.Random(spec.seed)
+        self.flipped = 0
+        self.events: list[Event] = []
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="soak-faults", daemon=True)
+        self.sampler: Sampler | None = None
+        self.t0 = 0.0
+
+    def start(self, t0: float, sampler: Sampler) -> None:
+        self.t0, self.sampler = t0, sampler
+        self._thread.start()
+
+    def _run(self) -> None:
+        kills = 0
+        for event in schedule(self.spec):
+            if time.monotonic() > self.t0 + self.spec.duration_s:
+                return  # overdue after a long engine restart, and the run is over
+            if self._stop.wait(max(0.0, self.t0 + event.t_s - time.monotonic())):
+                return
+            started = time.monotonic()
+            try:
+                detail = self._do(event.kind, kills)
+            except Exception as exc:  # recorded; the run goes on
+                self.errors.append(f"{event.kind} at {event.t_s:.0f} s: {exc!r}")
+                continue
+            kills += event.kind == "server_kill"
+            took = time.monotonic() - started
+            self.events.append(Event(started - self.t0, event.kind, took, detail))
+
+    def _do(self, kind: str, kills: int) -> str:
+        if kind == "server_kill":
+            if self.sampler is not None:
+                self.sampler.sample()
+            return self._kill(corrupt=self.spec.corrupt and kills % 2 == 1)
+        if kind == "corrupt_live":
+            return self._corrupt()
+        # In-flight requests keep uvicorn waiting for their connections until the engine is
+        # killed: a graceful stop would only add its timeout to the restart.
+        self.engine.restart(stop_timeout_s=5.0)
+        return f"ready in {self.engine.ready_s:.1f} s"
+
+    def _kill(self, corrupt: bool) -> str:
+        """SIGKILL, stay down ``down_s`` (flipping disk bytes meanwhile if asked), restart."""
+        self.cache.kill()
+        detail = self._corrupt() if corrupt else ""
+        time.sleep(self.spec.down_s)
+        self.cache.start()
+        return detail
+
+    def _corrupt(self) -> str:
+        detail, flipped = corrupt_segments(self.cache.directory, self.rng)
+        self.flipped += flipped
+        return detail
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def count(self, kind: str) -> int:
+        return sum(1 for e in self.events if e.kind == kind)
+
+
+def rss_growth(samples: Sequence[Sample]) -> dict[str, float | None]:
+    """Per process: the largest growth of private RSS within one lifetime (a cache server
+    pid, a vLLM generation), as the mean of its last third minus that of its middle third
+    (the first third is warm-up). None where no lifetime has 6 samples."""
+    out: dict[str, float | None] = {}
+    for name, life in (("server_mb", "server_pid"), ("vllm_mb", "engine_generation")):
+        lives: dict[object, list[float]] = {}
+        for s in samples:
+            value = getattr(s, name)
+            if value:
+                lives.setdefault(getattr(s, life), []).append(value)
+        growths = [_growth(v) for v in lives.values() if len(v) >= 6]
+        out[name] = round(max(growths), 1) if growths else None
+    return out
+
+
+def _growth(values: Sequence[float]) -> float:
+    third = len(values) // 3
+    return statistics.fmean(values[2 * third :]) - statistics.fmean(values[third : 2 * third])

@@ -1,0 +1,128 @@
+"""`kvkeep bench ttft` (S2): one long prompt sent cold, then again right away, for each size.
+
+``warm_s`` is the median of WARM_SENDS sends (one sample is at the mercy of whatever else
+the machine does at that moment); each is in ``warm_samples_s``.
+
+With ``--restart``, vLLM is then restarted once (the kvkeep cache server keeps running) and
+every size is sent a third time: ``after_restart_s``, ``hit_rate_after_restart`` (cached
+prompt tokens over prompt tokens, less any kvkeep load that failed and was recomputed) and
+``restart_ready_s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+from kvkeep.bench.context import RunContext
+from kvkeep.bench.metrics import kvkeep_tokens
+from kvkeep.bench.scenario import Needs, parse_sizes
+from kvkeep.endpoint import complete_ids, discover_model
+from kvkeep.workload import random_ids
+
+DEFAULT_SIZES = (4096, 16384)
+WARM_SENDS = 3
+
+
+@dataclass
+class TTFTScenario:
+    sizes: Sequence[int] = DEFAULT_SIZES
+    seed: int = 0
+    restart: bool = False
+    name: str = "ttft"
+    # Distinct per scenario object, so that one run's canary is never another run's.
+    _run_id: int = field(default_factory=time.time_ns)
+
+    def needs(self) -> Needs:
+        return Needs(tokens=max(self.sizes) + 64, own_engine=self.restart)
+
+    def run(self, ctx: RunContext) -> dict[str, Any]:
+        return asyncio.run(self._run(ctx))
+
+    async def _run(self, ctx: RunContext) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        prompts = {size: random_ids(size, f"ttft:{self.seed}:{size}:{time.time_ns()}")
+                   for size in self.sizes}  # fmt: skip
+        async with httpx.AsyncClient() as client:
+            url = ctx.url
+            model = await discover_model(client, url)
+            # The first requests after a start are slow (and, with a connector, the first
+            # load maps the arena); a canary of a few blocks takes those costs for every mode.
+            await complete_ids(client, url, model, self._canary())
+            await complete_ids(client, url, model, self._canary())
+            for size in tqdm(self.sizes, desc="  ttft sizes", leave=False):
+                out[str(size)] = await self._cold_warm(client, url, model, prompts[size])
+            if self.restart:
+                ready = ctx.engine.restart()
+                print(f"  vLLM restarted, ready {ready:.1f} s after the stop began",
+                      file=sys.stderr)  # fmt: skip
+                await self._after_restart(client, ctx.url, ready, prompts, out)
+        return {"sizes": out}
+
+    async def _cold_warm(
+        self, client: httpx.AsyncClient, url: str, model: str, ids: list[int]
+    ) -> dict[str, Any]:
+        cold = await complete_ids(client, url, model, ids)
+        warms = [await complete_ids(client, url, model, ids) for _ in range(WARM_SENDS)]
+        warm_s = statistics.median(w.ttft_s for w in warms)
+        return {
+            "cold_s": cold.ttft_s,
+            "warm_s": warm_s,
+            "warm_samples_s": [w.ttft_s for w in warms],
+            "speedup": cold.ttft_s / warm_s if warm_s > 0 else None,
+            "cold_cached_tokens": cold.cached_tokens,
+            "warm_cached_tokens": min(w.cached_tokens for w in warms),
+            "prompt_tokens": cold.prompt_tokens,
+        }
+
+    async def _after_restart(
+        self,
+        client: httpx.AsyncClient,
+        url: str,
+        ready_s: float,
+        prompts: dict[int, list[int]],
+        out: dict[str, Any],
+    ) -> None:
+        """Send every prompt once more to the restarted server; adds the after-restart keys."""
+        model = await discover_model(client, url)
+        await complete_ids(client, url, model, self._canary())  # loaded from kvkeep, if any
+        for size, ids in prompts.items():
+            before = kvkeep_tokens(url)
+            after = await complete_ids(client, url, model, ids)
+            failed = kvkeep_tokens(url)["load_failed"] - before["load_failed"]
+            hits = max(after.cached_tokens - failed, 0)
+            out[str(size)].update(
+                after_restart_s=after.ttft_s,
+                after_restart_cached_tokens=after.cached_tokens,
+                hit_rate_after_restart=hits / after.prompt_tokens if after.prompt_tokens else None,
+                restart_ready_s=ready_s,
+            )
+
+    def _canary(self) -> list[int]:
+        """A short prompt of full blocks plus a tail, the same for the whole run."""
+        return random_ids(4 * 128 + 16, f"ttft-canary:{self.seed}:{self._run_id}")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes", type=parse_sizes, default=list(DEFAULT_SIZES),
+                   help="comma-separated prompt sizes in tokens")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--restart", action="store_true",
+                   help="restart vLLM after the warm pass; send every size again")  # fmt: skip
+
+
+def build(args: argparse.Namespace) -> list[TTFTScenario]:
+    return [TTFTScenario(args.sizes, args.seed, restart=args.restart)]
+
+
+def document(args: argparse.Namespace) -> dict[str, Any]:
+    return {"setup": {"restart": args.restart}}

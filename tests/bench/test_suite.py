@@ -1,0 +1,129 @@
+"""The one mode loop and the bench's shape, without vLLM: scenarios that need no engine, and
+the source read with ast."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvkeep.bench import cli
+from kvkeep.bench.context import Needs, RunContext, Setup
+from kvkeep.bench.deploy.vllm import LaunchConfig
+from kvkeep.bench.suite import launch_config, run_modes
+
+BENCH = Path(__file__).resolve().parents[2] / "src" / "kvkeep" / "bench"
+
+
+@dataclass
+class Fake:
+    """A scenario that starts nothing and records the contexts it was given."""
+
+    name: str
+    modes: tuple[str, ...] | None = None
+    fail: bool = False
+    seen: list[str] = field(default_factory=list)
+
+    def needs(self) -> Needs:
+        return Needs(engine=False, modes=self.modes)
+
+    def run(self, ctx: RunContext) -> dict[str, Any]:
+        self.seen.append(ctx.mode)
+        if self.fail:
+            raise RuntimeError("it broke")
+        return {"mode": ctx.mode}
+
+
+def setup(tmp_path: Path) -> Setup:
+    return Setup(LaunchConfig(model=tmp_path, log_dir=tmp_path))
+
+
+def test_every_scenario_runs_in_every_mode_it_means_something_in(tmp_path: Path) -> None:
+    a, b = Fake("a"), Fake("b", modes=("kvkeep",))
+    out = run_modes([a, b], ["none", "kvkeep"], setup(tmp_path))
+    assert a.seen == ["none", "kvkeep"] and b.seen == ["kvkeep"]
+    assert out == {"a": {"none": {"mode": "none"}, "kvkeep": {"mode": "kvkeep"}},
+                   "b": {"none": {}, "kvkeep": {"mode": "kvkeep"}}}  # fmt: skip
+
+
+def test_a_failed_scenario_is_recorded_and_the_others_still_run(tmp_path: Path) -> None:
+    bad, good = Fake("bad", fail=True), Fake("good")
+    out = run_modes([bad, good], ["vllm"], setup(tmp_path))
+    assert out["bad"]["vllm"] == {"error": "RuntimeError: it broke"}
+    assert out["good"]["vllm"] == {"mode": "vllm"}
+
+
+def test_an_endpoint_is_measured_once_and_cannot_serve_an_own_engine_scenario(
+    tmp_path: Path,
+) -> None:
+    @dataclass
+    class Restarts(Fake):
+        def needs(self) -> Needs:
+            return Needs(engine=False, own_engine=True)
+
+    plain, own = Fake("plain"), Restarts("own")
+    s = Setup(LaunchConfig(model=tmp_path), endpoint="http://127.0.0.1:9")
+    out = run_modes([plain, own], ["none", "vllm"], s)
+    assert plain.seen == ["endpoint"] and own.seen == []
+    assert "error" in out["own"]["endpoint"]
+
+
+def test_launch_config_fits_the_longest_prompt_within_the_pool(tmp_path: Path) -> None:
+    base = LaunchConfig(model=tmp_path, max_model_len=2048)
+    assert launch_config(base, Needs(), 5000).max_model_len == 5120
+    pooled = launch_config(base, Needs(num_blocks=16), 5000)
+    assert (pooled.num_blocks, pooled.max_model_len) == (16, 15 * 128)
+    assert launch_config(base, Needs(max_num_batched_tokens=512), 0).max_num_batched_tokens == 512
+
+
+def test_a_variant_is_filed_under_its_scenario_with_tagged_modes(tmp_path: Path) -> None:
+    args = cli.parser("hol").parse_args(["--endpoint", "http://x", "--model", str(tmp_path)])
+    results = {"hol@512": {"vllm": {"r": 1}}, "hol@2048": {"vllm": {"r": 2}}}
+    doc = cli._document("hol", results, args)
+    assert doc["scenario"] == "hol"
+    assert doc["modes"] == {"vllm@512": {"r": 1}, "vllm@2048": {"r": 2}}
+
+
+def test_modes_narrow_to_what_the_scenarios_need() -> None:
+    only_kvkeep, anywhere = Fake("k", modes=("kvkeep",)), Fake("x")
+    assert cli._modes(["none", "vllm"], [only_kvkeep]) == ["kvkeep"]
+    assert cli._modes(["none", "kvkeep"], [only_kvkeep]) == ["kvkeep"]
+    assert cli._modes(["none", "vllm"], [only_kvkeep, anywhere]) == ["none", "vllm"]
+
+
+def test_every_command_parses_its_defaults() -> None:
+    for name in cli.COMMANDS:
+        assert isinstance(cli.parser(name).parse_args([]), argparse.Namespace)
+
+
+# --- the shape of the code ------------------------------------------------------------------
+
+
+def _calls(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            f = node.func
+            names.add(f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", ""))
+    return names
+
+
+def test_only_deploy_starts_processes() -> None:
+    """One vLLM handle and one cache-server handle: nothing else in bench/ starts a process
+    (the mode loop's deployment builds the handles; `store` runs cache servers of its own)."""
+    starters = {"Popen", "CacheServerProcess", "RedisProcess"}
+    handles = {"VLLMServer", "CacheServer"}
+    allowed = {"context.py": handles, "scenarios/store.py": {"CacheServer"}}
+    for path in sorted(BENCH.rglob("*.py")):
+        rel = path.relative_to(BENCH).as_posix()
+        if rel.startswith("deploy/"):
+            continue
+        bad = _calls(path) & (starters | handles - allowed.get(rel, set()))
+        assert not bad, f"{rel} calls {sorted(bad)}"
+
+
+def test_no_module_over_500_lines() -> None:
+    long = {p.name: n for p in BENCH.rglob("*.py") if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, long
