@@ -43,7 +43,7 @@ import queue
 import threading
 import time
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -73,6 +73,7 @@ from kvkeep.vllm.scheduling import (
     RequestLoad,
     StepPlan,
     claim_range,
+    timed,
 )
 
 if TYPE_CHECKING:
@@ -674,13 +675,8 @@ class _WorkerSide:
         self.counters.add(name, amount)
         self.totals.add(name, amount)
 
-    @contextlib.contextmanager
-    def _timed(self, name: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._count(name, time.perf_counter() - t0)
+    def _timed(self, name: str) -> contextlib.AbstractContextManager[None]:
+        return timed(self._count, name)
 
     def _maybe_summarize(self) -> None:
         now = time.monotonic()

@@ -33,7 +33,7 @@ import dataclasses
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -367,6 +367,16 @@ COUNTER_NAMES = (
 )
 
 
+@contextlib.contextmanager
+def timed(add: Callable[[str, float], object], name: str) -> Iterator[None]:
+    """Call ``add(name, seconds)`` with the block's wall time, also when it raises."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        add(name, time.perf_counter() - t0)
+
+
 @dataclass
 class Counters:
     """kvkeep's own count of what the connector did; merged across workers by addition.
@@ -383,14 +393,9 @@ class Counters:
         for name, amount in other.items():
             self.add(name, amount)
 
-    @contextlib.contextmanager
-    def timed(self, name: str) -> Iterator[None]:
+    def timed(self, name: str) -> contextlib.AbstractContextManager[None]:
         """Add the block's wall time to ``name`` (seconds), also when it raises."""
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add(name, time.perf_counter() - t0)
+        return timed(self.add, name)
 
     def take(self) -> dict[str, float] | None:
         """The non-zero counts since the last take, and reset; None if nothing happened."""
