@@ -36,7 +36,7 @@ from kvkeep.keys import Namespace
 from kvkeep.server.client import CacheUnavailable, KVKeepClient, LookupResult
 from kvkeep.vllm import compat
 from kvkeep.vllm.compat import UnsupportedConfig, check_supported, unkeyable_reason
-from kvkeep.vllm.connector import KVKeepConnector, KVKeepPromMetrics, _SchedulerSide
+from kvkeep.vllm.connector import KVKeepConnector, KVKeepPromMetrics, SchedulerSide
 from kvkeep.vllm.scheduling import COUNTER_NAMES
 
 BS = 16
@@ -112,11 +112,11 @@ class FakeClient:
 
 
 @pytest.fixture
-def side(monkeypatch: pytest.MonkeyPatch) -> tuple[_SchedulerSide, FakeClient]:
+def side(monkeypatch: pytest.MonkeyPatch) -> tuple[SchedulerSide, FakeClient]:
     monkeypatch.setattr(compat, "namespace", lambda vllm_config, kv_cache_config: NS)
     monkeypatch.setattr(compat, "expected_block_bytes", lambda kv_cache_config: 1024)
     client = FakeClient()
-    return _SchedulerSide(None, None, client), client  # type: ignore[arg-type]
+    return SchedulerSide(None, None, client), client  # type: ignore[arg-type]
 
 
 def blocks(n: int) -> KVCacheBlocks:
@@ -136,7 +136,7 @@ def first_step(req: Request) -> Any:
 
 
 def test_a_plain_request_is_looked_up_tracked_and_saved(
-    side: tuple[_SchedulerSide, FakeClient],
+    side: tuple[SchedulerSide, FakeClient],
 ) -> None:
     scheduler, client = side
     req = request()
@@ -150,7 +150,7 @@ def test_a_plain_request_is_looked_up_tracked_and_saved(
 
 
 def test_a_lora_request_is_not_looked_up_nor_saved(
-    side: tuple[_SchedulerSide, FakeClient],
+    side: tuple[SchedulerSide, FakeClient],
 ) -> None:
     scheduler, client = side
     req = request(lora_request=lora())

@@ -1,0 +1,179 @@
+"""The connector's scheduler side (EngineCore): claims, per-request tracking, the step plan.
+
+It LOOKUPs kvkeep's keys for a waiting request's prompt blocks beyond vLLM's own hit and
+claims the leading present ones, tracks every running request's block table, and emits each
+step's ``StepPlan`` (loads, and blocks that become full, to save). The arithmetic lives in
+:mod:`kvkeep.vllm.scheduling`; this module feeds it vLLM's values and never raises into vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from kvkeep.server.client import CacheUnavailable, KVKeepClient
+from kvkeep.vllm import compat
+from kvkeep.vllm.scheduling import (
+    BlockTransfer,
+    ClaimRange,
+    Counters,
+    Match,
+    RequestBook,
+    StepPlan,
+    claim_range,
+)
+
+if TYPE_CHECKING:
+    pass
+
+log = logging.getLogger("vllm.kvkeep")
+
+
+class SchedulerSide:
+    """Claims, per-request tracking and the step plan. Every vLLM callback here is wrapped so
+    that a kvkeep failure means "no hit" and never an exception in the scheduler."""
+
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, client: KVKeepClient) -> None:
+        self.namespace = compat.namespace(vllm_config, kv_cache_config)
+        self.book = RequestBook(self.namespace)
+        self.client = client
+        self.session = client.session(
+            self.namespace, compat.expected_block_bytes(kv_cache_config), label="scheduler"
+        )
+        self.counters = Counters()
+        self._requests: dict[str, Any] = {}  # req_id -> vLLM Request, while tracked
+        self._unkeyable: set[str] = set()  # req_ids counted as unkeyable, until finished
+        self._announce(client.socket_path)
+
+    def _announce(self, socket_path: str | None) -> None:
+        try:
+            self.client.hello(self.namespace, self.session.block_bytes, "scheduler")
+            log.info("kvkeep: cache server at %s, namespace %s", socket_path, self._ns_label())
+        except CacheUnavailable as exc:
+            log.warning(
+                "kvkeep: cache server at %s is not reachable (%s); serving without it and "
+                "reconnecting with backoff",
+                socket_path,
+                exc,
+            )
+
+    def _ns_label(self) -> str:
+        ns = self.namespace
+        return f"{ns.digest().hex()[:12]} ({ns.backend}, {ns.layout}, block {ns.block_size})"
+
+    def match(self, request: Any, num_computed_tokens: int) -> int:
+        """Tokens kvkeep can supply beyond ``num_computed_tokens``; 0 on any failure.
+        Idempotent for repeated calls with the same inputs (the answer is memoised)."""
+        try:
+            if compat.unkeyable_reason(request) is not None:
+                return 0  # no LOOKUP; after_alloc counts the reason once
+            with self.counters.timed("match_s"):
+                return self._match(request, num_computed_tokens)
+        except Exception:
+            log.exception("kvkeep: lookup failed; treating it as a miss")
+            self.counters.add("lookup_failures", 1)
+            return 0
+
+    def _match(self, request: Any, num_computed: int) -> int:
+        req_id, num_tokens = request.request_id, request.num_tokens
+        cached = self.book.cached_match(req_id, num_computed, num_tokens)
+        if cached is not None:
+            return cached.num_blocks * self.book.block_size
+        claim = claim_range(num_tokens, num_computed, self.book.block_size)
+        found = self._lookup(request, claim)
+        self.book.remember_match(req_id, Match(num_computed, num_tokens, found))
+        return found * self.book.block_size
+
+    def _lookup(self, request: Any, claim: ClaimRange) -> int:
+        if claim.empty:
+            return 0
+        tokens = compat.request_tokens(request)
+        keys = self.book.keys_for(request.request_id, tokens, compat.request_salt(request))
+        self.counters.add("lookups", 1)
+        try:
+            with self.counters.timed("lookup_rpc_s"):
+                found = self.client.lookup(self.session, keys[claim.first : claim.limit])
+            return found.num_present
+        except CacheUnavailable as exc:
+            self.counters.add("lookup_failures", 1)
+            log.debug("kvkeep: lookup unavailable: %s", exc)
+            return 0
+
+    def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        try:
+            reason = compat.unkeyable_reason(request)
+            if reason is not None:
+                self._skip_unkeyable(request.request_id, reason)
+                return
+            load = self.book.on_alloc(
+                request.request_id,
+                compat.request_tokens(request),
+                compat.request_salt(request),
+                compat.group0_block_ids(blocks),
+                num_external_tokens,
+            )
+        except Exception:
+            log.exception("kvkeep: could not track request %s", request.request_id)
+            return
+        self._requests[request.request_id] = request
+        if load is not None:
+            self.counters.add("offered_tokens", len(load.blocks) * self.book.block_size)
+
+    def plan(self, out: Any) -> StepPlan | None:
+        """This step's loads and saves; None (nothing to do) if planning itself failed."""
+        try:
+            with self.counters.timed("plan_s"):
+                return self._plan(out)
+        except Exception:
+            log.exception("kvkeep: could not plan this step; skipping its loads and saves")
+            return None
+
+    def _plan(self, out: Any) -> StepPlan:
+        saves: list[BlockTransfer] = []
+        for new in out.scheduled_new_reqs:
+            self.book.update_blocks(new.req_id, compat.new_block_ids_of(new.block_ids), True)
+            after = new.num_computed_tokens + out.num_scheduled_tokens.get(new.req_id, 0)
+            saves += self._saves(new.req_id, after)
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            ids = compat.new_block_ids_of(cached.new_block_ids[i])
+            self.book.update_blocks(req_id, ids, req_id in cached.resumed_req_ids)
+            self.book.rewind(req_id, cached.num_computed_tokens[i])
+            after = cached.num_computed_tokens[i] + out.num_scheduled_tokens.get(req_id, 0)
+            saves += self._saves(req_id, after)
+        return self.book.take_plan(saves)
+
+    def _saves(self, req_id: str, num_computed_after: int) -> list[BlockTransfer]:
+        request = self._requests.get(req_id)
+        if request is None:
+            return []
+        return self.book.saves_after(
+            req_id,
+            num_computed_after,
+            compat.request_tokens(request),
+            compat.request_salt(request),
+        )
+
+    def _skip_unkeyable(self, req_id: str, reason: str) -> None:
+        """Never track (so never save) a request kvkeep cannot key; count it once. A request
+        tracked before (a streaming update added media) is dropped from here on."""
+        if req_id in self._requests:
+            self.finished(req_id)
+        if req_id not in self._unkeyable:
+            self._unkeyable.add(req_id)
+            self.counters.add(f"unkeyable_{reason}", 1)
+
+    def load_errors(self, block_ids: set[int]) -> None:
+        """A step reported failed loads: its saves were dropped; plan them again."""
+        try:
+            rewound = self.book.on_load_errors()
+        except Exception:
+            log.exception("kvkeep: could not rewind the save frontiers")
+            return
+        log.info("kvkeep: %d blocks failed to load; %d requests will save again after "
+                 "vLLM recomputes", len(block_ids), rewound)  # fmt: skip
+
+    def finished(self, req_id: str) -> None:
+        self.book.finish(req_id)
+        self._requests.pop(req_id, None)
+        self._unkeyable.discard(req_id)
