@@ -158,7 +158,7 @@ def _agents_line(f: Findings) -> list[str]:
     if not f.trace.sessions or not f.tier_hits:
         return []
     sizes = ", ".join(f"{h.name} {f.size(h.capacity_blocks)}" for h in f.tier_hits)
-    model = f" on {f.footprint.describe()}" if f.footprint is not None else ""
+    model = f" on {f.footprint.name}" if f.footprint is not None else ""
     reach = f.sd.token_hit_rate(sum(h.capacity_blocks for h in f.tier_hits))
     return [
         f"for {f.trace.sessions} agent sessions like these (at most "
