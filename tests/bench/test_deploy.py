@@ -1,8 +1,14 @@
-"""The one cache-server handle, on real `kvkeep server` processes (no vLLM)."""
+"""The deployment handles: the cache server on real `kvkeep server` processes, and the vLLM
+command line (no vLLM is started here)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from kvkeep.bench.deploy.cache import CacheServer, CacheSpec
+from kvkeep.bench.deploy.vllm import MODES, LaunchConfig, build_command
 
 
 def test_cache_server_restarts_dies_and_is_replaced() -> None:
@@ -27,3 +33,23 @@ def test_remote_arguments_only_with_a_store() -> None:
     assert spec.args(None) == ("--queue-depth", "8")
     assert spec.args("valkey://h:1")[:2] == ("--remote", "valkey://h:1")
     assert spec.args("valkey://h:1")[-2:] == ("--queue-depth", "8")
+
+
+def test_every_mode_loads_the_models_own_weights(tiny_model: Path) -> None:
+    """No mode, and no extra argument, may make vLLM generate its own weights: with them no
+    reply depends on its context and no test could see a wrong KV block."""
+    for mode in MODES:
+        cfg = LaunchConfig(model=tiny_model, mode=mode, cache_socket="/tmp/unused.sock")
+        cfg.validate()
+        argv, _ = build_command(cfg, 8000)
+        assert not any(a.startswith("--load-format") for a in argv), argv
+    for extra in (("--load-format", "dummy"), ("--load-format=dummy",)):
+        with pytest.raises(ValueError, match="--load-format dummy"):
+            LaunchConfig(model=tiny_model, extra_args=extra).validate()
+    LaunchConfig(model=tiny_model, extra_args=("--load-format", "safetensors")).validate()
+
+
+def test_a_model_without_weights_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="no weight files; `kvkeep model tiny"):
+        LaunchConfig(model=tmp_path).validate()

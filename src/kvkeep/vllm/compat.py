@@ -91,9 +91,11 @@ def attention_backend(vllm_config: Any, kv_cache_config: Any) -> str:
 
 def model_digest(vllm_config: Any) -> str:
     """sha256 over what makes the weights and the KV they produce: model id and revision, the
-    HF config, dtype, quantization and load format (with the seed, for dummy weights)."""
+    HF config, dtype, quantization, load format and a fingerprint of local weight files. A
+    user's engine may still run on weights vLLM generates from ``--seed`` (load format
+    "dummy"; kvkeep's own bench and tests refuse it): then the seed names the weights."""
     mc = vllm_config.model_config
-    load_format = str(getattr(vllm_config.load_config, "load_format", ""))
+    load_format = load_format_of(vllm_config)
     ident = {
         "model": mc.model,
         "revision": mc.revision,
@@ -106,6 +108,11 @@ def model_digest(vllm_config: Any) -> str:
     }
     text = json.dumps(ident, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def load_format_of(vllm_config: Any) -> str:
+    """vLLM's load format ("auto", "safetensors", "dummy", ...); "" when it is not known."""
+    return str(getattr(getattr(vllm_config, "load_config", None), "load_format", "") or "")
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")

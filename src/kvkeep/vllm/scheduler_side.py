@@ -34,6 +34,7 @@ class SchedulerSide:
     that a kvkeep failure means "no hit" and never an exception in the scheduler."""
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, client: KVKeepClient) -> None:
+        self.vllm_config = vllm_config
         self.namespace = compat.namespace(vllm_config, kv_cache_config)
         self.book = RequestBook(self.namespace)
         self.client = client
@@ -46,6 +47,12 @@ class SchedulerSide:
         self._announce(client.socket_path)
 
     def _announce(self, socket_path: str | None) -> None:
+        if compat.load_format_of(self.vllm_config) == "dummy":
+            log.warning(
+                "kvkeep: vLLM generates this model's weights (load format dummy): its replies "
+                "do not depend on their context, so nothing can tell right KV from wrong; "
+                "use the model's own weights to check kvkeep"
+            )
         try:
             self.client.hello(self.namespace, self.session.block_bytes, "scheduler")
             log.info("kvkeep: cache server at %s, namespace %s", socket_path, self._ns_label())

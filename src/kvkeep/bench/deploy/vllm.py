@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -95,6 +96,29 @@ class LaunchConfig:
             raise ValueError("kv_pool_gib must be positive")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError("num_blocks must be at least 2")
+        _check_real_weights(self.model, self.extra_args)
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
+
+
+def _check_real_weights(model: Path, extra_args: Sequence[str]) -> None:
+    """The bench and the tests judge replies, so vLLM must load real weights: with the
+    random-constant weights vLLM can generate instead, every reply is the same whatever its
+    context, and no comparison could see a wrong KV block. Raises ValueError saying what to do."""
+    if not any(p.name.endswith(WEIGHT_SUFFIXES) for p in model.iterdir()):
+        raise ValueError(
+            f"{model} has no weight files; `kvkeep model tiny {model}` writes seeded weights"
+        )
+    for i, arg in enumerate(extra_args):
+        value = arg.partition("=")[2] if arg.startswith("--load-format=") else None
+        if arg == "--load-format" and i + 1 < len(extra_args):
+            value = extra_args[i + 1]
+        if value is not None and value != "auto" and value != "safetensors":
+            raise ValueError(
+                f"--load-format {value}: kvkeep's bench and tests load the model's own weights "
+                "(auto or safetensors), so that replies depend on their context"
+            )
 
 
 def free_port() -> int:
