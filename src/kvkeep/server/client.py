@@ -21,7 +21,6 @@ import os
 import socket
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -31,6 +30,7 @@ import numpy as np
 
 from kvkeep.keys import BlockKey, Namespace
 from kvkeep.server import protocol as p
+from kvkeep.store.base import checksum
 from kvkeep.store.slots import Offset
 
 
@@ -148,11 +148,9 @@ class KVKeepClient:
     def commit(
         self, session: Session, slots: Sequence[SlotRef], checksums: Sequence[int] | None = None
     ) -> int:
-        """Publish written slots; computes their CRC-32 unless given. Returns how many."""
+        """Publish written slots; computes their checksums unless given. Returns how many."""
         crcs = (
-            list(checksums)
-            if checksums is not None
-            else [zlib.crc32(self._buffer(s)) for s in slots]
+            list(checksums) if checksums is not None else [checksum(self._buffer(s)) for s in slots]
         )
         rows = tuple(p.ChecksummedSlot(s.offset, c) for s, c in zip(slots, crcs, strict=True))
         with self._op():
@@ -170,7 +168,7 @@ class KVKeepClient:
             with self._parsing(p.Op.ACQUIRE):
                 slots = p.AcquireReply.decode(reply).slots
                 return [
-                    self._slot(k, s.offset, session, s.crc)
+                    self._slot(k, s.offset, session, s.checksum)
                     for k, s in zip(keys, slots, strict=False)
                 ]
 
@@ -205,7 +203,7 @@ class KVKeepClient:
 
     def verify(self, slot: SlotRef) -> bool:
         """Whether the slot's bytes still match the checksum the server gave with it."""
-        return zlib.crc32(self._buffer(slot)) == slot.checksum
+        return checksum(self._buffer(slot)) == slot.checksum
 
     def close(self) -> None:
         with self._lock:

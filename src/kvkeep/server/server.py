@@ -310,7 +310,7 @@ class CacheServer:
 
     def _commit(self, conn: _Connection, request: p.CommitRequest) -> p.CommitReply:
         store, holder = self.store, conn.holder
-        return p.CommitReply(sum(store.commit(s.offset, s.crc, holder) for s in request.slots))
+        return p.CommitReply(sum(store.commit(s.offset, s.checksum, holder) for s in request.slots))
 
     async def _acquire(self, conn: _Connection, request: p.AcquireRequest) -> p.AcquireReply:
         """RAM hits are pinned on the loop thread; the rest, if a lower tier holds the next

@@ -12,7 +12,6 @@ import logging
 import queue
 import threading
 import time
-import zlib
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -21,6 +20,7 @@ import numpy as np
 
 from kvkeep.keys import BlockKey
 from kvkeep.server.client import CacheUnavailable, KVKeepClient, Session, SlotRef
+from kvkeep.store.base import checksum
 from kvkeep.vllm import compat
 from kvkeep.vllm.layout import KVLayout
 from kvkeep.vllm.scheduling import (
@@ -256,7 +256,7 @@ class WorkerSide:
     def _commit(self, session: Session, slots: list[SlotRef]) -> None:
         try:
             with self._timed("checksum_s"):
-                crcs = [zlib.crc32(self.client.slot_view(s).data) for s in slots]
+                crcs = [checksum(self.client.slot_view(s).data) for s in slots]
             with self._timed("commit_rpc_s"):
                 self.client.commit(session, slots, crcs)
         except Exception as exc:
