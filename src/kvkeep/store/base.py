@@ -81,6 +81,8 @@ class TierCounters:
     write_errors: int = 0  # failed writes to the medium (e.g. a full filesystem)
     errors: int = 0  # calls to another process (the remote store) that failed or timed out
     dropped_puts: int = 0  # writes given up: queue full, rate limit backlog, or store down
+    read_ns: int = 0  # reading blocks from the medium, summed over threads (disk)
+    verify_ns: int = 0  # checksumming loaded blocks, summed over threads (disk)
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -109,6 +111,10 @@ class Tier(Protocol):
 
     Tiers are kept in an ordered list, fastest first; the tiered store never asks which
     concrete class a tier is, except that the first tier is the shared-memory arena.
+
+    Optional: ``parallel_reads = True`` says a ``get`` is mostly waiting (a network round
+    trip): the tiered store then runs several at once. Others are read one after another in
+    the order asked, which for the disk is file order (see ``TieredStore.acquire_below``).
 
     Optional: ``contains_many(keys) -> list[bool]`` answers many ``contains`` at once (one
     round trip). A tier whose ``contains`` can only answer from local hints (the remote tier)

@@ -172,14 +172,19 @@ class DiskTier:
             self._counters.misses += 1
             return None
         target, header = out[: loc.length], bytearray(HEADER_BYTES)
+        started = time.perf_counter_ns()
         try:
             wanted = HEADER_BYTES + loc.length
             complete = os.preadv(fd, [header, target], loc.offset - HEADER_BYTES) == wanted
         except OSError:  # the segment was evicted (its fd closed) while we read it
             complete = False
+        read = time.perf_counter_ns()
         record = unpack_header(bytes(header), loc.offset) if complete else None
         expected = Record(key, loc.offset, loc.length, loc.crc, KIND_DATA)
-        if record != expected or checksum(target) != loc.crc:
+        intact = record == expected and checksum(target) == loc.crc
+        self._counters.read_ns += read - started
+        self._counters.verify_ns += time.perf_counter_ns() - read
+        if not intact:
             self._drop_corrupt(key, loc)
             return None
         self._counters.hits += 1

@@ -238,6 +238,7 @@ class RemoteTier:
     """The shared tier. Thread-safe; never raises for remote failures (see the module doc)."""
 
     name = "remote"
+    parallel_reads = True  # a get is a network round trip: the tiered store overlaps several
 
     def __init__(
         self, config: RemoteConfig, client_factory: Callable[[RemoteConfig], Any] = connect
