@@ -107,6 +107,13 @@ class KVKeepClient:
         self._failures = 0
         self._retry_at = 0.0
 
+    def sibling(self) -> KVKeepClient:
+        """A new client to the same server with the same settings and its own connection (so
+        a background thread's calls never wait for this client's lock). No I/O."""
+        return KVKeepClient(
+            self.socket_path, self.address, self.token, self.timeout_s, self.max_backoff_s
+        )
+
     # --- sessions ----------------------------------------------------------------------------
 
     @staticmethod
@@ -132,6 +139,12 @@ class KVKeepClient:
             with self._parsing(p.Op.LOOKUP):
                 found = p.LookupReply.decode(reply)
                 return LookupResult(found.num_present, tuple(names[t] for t in found.tiers))
+
+    def touch(self, session: Session, keys: Sequence[BlockKey]) -> None:
+        """Refresh the recency of the ``keys`` the server's RAM holds, ``keys[0]`` most (for
+        blocks the engine serves from its own pool, so they stay in kvkeep's RAM too)."""
+        with self._op():
+            self._call_ns(session, lambda ns: p.TouchRequest(tuple(keys), ns))
 
     def reserve(self, session: Session, keys: Sequence[BlockKey]) -> list[SlotRef]:
         """Slots to write blocks into, for keys not stored yet (others are skipped).

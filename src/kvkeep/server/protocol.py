@@ -31,6 +31,9 @@ carried CRC-32s: its clients are refused with ``version``). Every int is non-neg
             publishes slots this connection reserved; others are ignored (not counted)
     ACQUIRE {keys: [bin32], ns}  -> {slots: [[offset, checksum]]}
             pins the leading present keys (loaded from lower tiers if needed) for reading
+    TOUCH   {keys: [bin32], ns}  -> {}
+            the keys held in RAM become the most recently used, keys[0] most of all; no
+            hit is counted (the engine serves them from its own pool: keep them warm)
     RELEASE {slots: [offset], corrupt: [offset] (optional)}  -> {}
             unpins acquired slots and aborts reserved ones (others are ignored); ``corrupt``
             names acquired slots whose bytes failed the client's checksum: the server checks
@@ -59,7 +62,7 @@ import msgpack
 
 from kvkeep.store.slots import Offset
 
-PROTOCOL_VERSION = 2  # 2: 64-bit checksums
+PROTOCOL_VERSION = 2  # 2: 64-bit checksums, TOUCH
 MAX_FRAME_BYTES = 8 << 20
 MAX_KEYS_PER_REQUEST = 65536
 KEY_BYTES = 32
@@ -79,6 +82,7 @@ class Op(enum.Enum):
     ACQUIRE = "ACQUIRE"
     RELEASE = "RELEASE"
     STATS = "STATS"
+    TOUCH = "TOUCH"
 
 
 class ErrorCode(enum.Enum):
@@ -334,7 +338,7 @@ class HelloReply(_Message):
 
 @dataclass(frozen=True)
 class KeysRequest(_Message):
-    """LOOKUP, RESERVE and ACQUIRE: block keys in one namespace."""
+    """LOOKUP, RESERVE, ACQUIRE and TOUCH: block keys in one namespace."""
 
     OP: ClassVar[Op]
     keys: tuple[bytes, ...]
@@ -422,6 +426,11 @@ class AcquireReply(_Message):
 
 
 @dataclass(frozen=True)
+class TouchRequest(KeysRequest):
+    OP: ClassVar[Op] = Op.TOUCH
+
+
+@dataclass(frozen=True)
 class ReleaseRequest(_Message):
     OP: ClassVar[Op] = Op.RELEASE
     slots: tuple[Offset, ...]
@@ -473,6 +482,7 @@ RequestMessage = (
     | AcquireRequest
     | ReleaseRequest
     | StatsRequest
+    | TouchRequest
 )
 ReplyMessage = (
     EmptyReply | HelloReply | LookupReply | ReserveReply | CommitReply | AcquireReply | StatsReply

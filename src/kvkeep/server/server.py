@@ -254,6 +254,9 @@ class CacheServer:
                 return self._release(conn, message)
             case p.StatsRequest():
                 return p.StatsReply(self.stats(integrity=message.integrity))
+            case p.TouchRequest():
+                self.store.refresh(self._keys(conn, message)[1])
+                return p.EmptyReply()
         raise AssertionError(f"no handler for {request.op}")  # decode_message covers every op
 
     def _auth(self, conn: _Connection, request: p.AuthRequest) -> p.EmptyReply:

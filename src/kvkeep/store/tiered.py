@@ -164,8 +164,9 @@ class TieredStore:
     # --- writing ---------------------------------------------------------------------------
 
     def reserve(self, key: StoreKey, length: int, holder: Holder = INTERNAL) -> Reservation:
-        """A RAM slot for ``holder`` to write ``key`` into, unless some tier already holds it."""
-        if any(t.contains(key) for t in self._lower):
+        """A RAM slot for ``holder`` to write ``key`` into, unless some tier already holds it.
+        A save of a block RAM holds refreshes it there (most recent): it is in use."""
+        if self._ram.touch(key) or any(t.contains(key) for t in self._lower):
             return Reservation(ReserveStatus.PRESENT)
         offset = self._ram.reserve(key, length, holder)
         if offset is not None:
@@ -187,6 +188,12 @@ class TieredStore:
             if reservation.offset is not None:
                 reserved.append(Reserved(index, reservation.offset))
         return reserved
+
+    def refresh(self, keys: Sequence[StoreKey]) -> int:
+        """Mark the ``keys`` RAM holds most recent, ``keys[0]`` most of all; how many it
+        holds. For blocks the engine serves from its own pool: they are in use, so they must
+        not age out of RAM. No I/O, one lock; nothing else changes (no hit is counted)."""
+        return self._ram.touch_many(keys)
 
     def commit(self, offset: Offset, crc: int, holder: Holder = INTERNAL) -> bool:
         """Publish a slot ``holder`` reserved and queue it for the lower tiers; never blocks.
