@@ -9,6 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from kvkeep.server.client import KVKeepClient
+from kvkeep.vllm.refresh import Refresher
 
 from .helpers import BLOCK, NS, keys, store
 
@@ -40,11 +41,22 @@ def test_without_refresh_the_prefix_ages_out(server_factory: object) -> None:
     assert _traffic_then_lookup(server_factory, None) == 0
 
 
+def _refreshed(client: KVKeepClient, session: object, prefix: list[bytes]) -> None:
+    """What the scheduler does when vLLM serves ``prefix`` from its pool: submit, off-thread."""
+    refresher = Refresher(client.sibling())
+    try:
+        assert refresher.submit(session, prefix)  # type: ignore[arg-type]
+        refresher.flush()
+    finally:
+        refresher.close()
+
+
 @pytest.mark.parametrize(
     "keep_warm",
     [
         pytest.param(lambda c, s, ks: c.touch(s, ks), id="touch"),
         pytest.param(lambda c, s, ks: c.release(c.reserve(s, ks)), id="saved-again"),
+        pytest.param(_refreshed, id="scheduler-refresher"),
     ],
 )
 def test_a_refreshed_prefix_outlives_other_traffic(
