@@ -423,5 +423,5 @@ class _Probe:
 
 
 def verify(data: memoryview, expected: int) -> bool:
-    """Whether ``data`` has the CRC-32 ``expected``."""
+    """Whether ``data`` has the checksum ``expected``."""
     return checksum(data) == expected
