@@ -173,7 +173,8 @@ def _gib_arg(gib: float) -> str:
 
 
 class VLLMServer:
-    """A vLLM server. Use `launch()` or `start()`; always `stop()` (idempotent).
+    """A vLLM server: ``with VLLMServer(cfg) as server`` (a ready server for the block, stopped
+    afterwards whatever happens), or `start()` and always `stop()` (idempotent).
 
     `restart()` replaces the process in place, on a new port: read `url` after it. Another
     thread may call `current()` meanwhile, which waits until the new one answers; a request
@@ -347,9 +348,3 @@ def log_tail(path: Path, lines: int) -> str:
     except FileNotFoundError:
         return ""
     return "\n".join(text.splitlines()[-lines:])
-
-
-def launch(cfg: LaunchConfig) -> VLLMServer:
-    """``with launch(cfg) as server``: a ready server for the block, stopped afterwards
-    whatever happens (a failed start stops what it started, then raises LaunchError)."""
-    return VLLMServer(cfg)
