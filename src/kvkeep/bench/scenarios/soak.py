@@ -107,14 +107,9 @@ class SoakScenario:
 
 
 class Reply(NamedTuple):
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
+    judged: Judged  # what the criterion compares: tokens, logprobs, top alternatives
     prompt_tokens: int
     cached_tokens: int
-    top: tuple[dict[int, float], ...] = ()
-
-    def judged(self) -> Judged:
-        return Judged(self.token_ids, self.logprobs, self.top)
 
 
 class Result(NamedTuple):
@@ -165,16 +160,14 @@ async def ask(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Repl
     doc = r.json()
     content = doc["choices"][0]["logprobs"]["content"]
     usage = doc["usage"]
-    return Reply(
-        tuple(_token_id(c["token"]) for c in content),
-        tuple(float(c["logprob"]) for c in content),
-        int(usage["prompt_tokens"]),
-        int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
-        tuple(
-            {_token_id(t["token"]): float(t["logprob"]) for t in c.get("top_logprobs") or ()}
-            for c in content
-        ),
-    )
+    judged = Judged(
+        [_token_id(c["token"]) for c in content],
+        [float(c["logprob"]) for c in content],
+        [{_token_id(t["token"]): float(t["logprob"]) for t in c.get("top_logprobs") or ()}
+         for c in content],
+    )  # fmt: skip
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return Reply(judged, int(usage["prompt_tokens"]), int(cached))
 
 
 def _token_id(text: str) -> int:
@@ -243,11 +236,11 @@ async def _turn(
             # truncated output: a reply that spans a restart is the restart's, not kvkeep's
             tally.lost_to_engine_restart += 1
             continue
-        verdict = same_as_cold(reply.judged(), ref.judged())
+        verdict = same_as_cold(reply.judged, ref.judged)
         if not verdict:
             tally.errors.append(f"agent {agent} turn {turn.index} at {start - t0:.1f} s: "
-                                f"{verdict.why}: {reply.token_ids} vs reference "
-                                f"{ref.token_ids}")  # fmt: skip
+                                f"{verdict.why}: {list(reply.judged.token_ids)} vs reference "
+                                f"{list(ref.judged.token_ids)}")  # fmt: skip
         tally.results.append(Result(start - t0, agent, turn.index, time.monotonic() - start,
                                     reply.prompt_tokens, reply.cached_tokens, not verdict.ok,
                                     verdict.worst, verdict.compared,
