@@ -36,19 +36,26 @@ from kvkeep.workload import SessionSpec, TokenCounter, generate_sessions
 
 
 @dataclass(frozen=True)
+class PoolFit:
+    """How the agents' working set compares with the device pool, where that is known."""
+
+    working_set_over_pool: float
+    pool_blocks: int
+
+
+@dataclass(frozen=True)
 class AgentsResult:
-    """Agents on one engine; ``working_set_over_pool`` and ``pool_blocks`` need the pool."""
+    """Agents on one engine."""
 
     summary: AgentsSummary = field(metadata=FLAT)
     rates: HitRates = field(metadata=FLAT)
     cached_fraction: float
     working_set_tokens: int
-    working_set_over_pool: float | None
     tool_delay_s: float
     spec: SessionSpec
     block_size: int
     prompt_tokens: int
-    pool_blocks: int | None
+    fit: PoolFit | None = field(default=None, metadata=FLAT)
 
 
 @dataclass(frozen=True)
@@ -99,13 +106,11 @@ class AgentsScenario:
         rates = hit_split(delta, prompt)
         if self.replicas > 1:
             return ReplicasResult(summary, rates, self.replicas, self.shared_store)
-        working_set = self.agents * self.spec.final_target
-        pool = self.pool_tokens
-        return AgentsResult(
-            summary, rates, sum(r.cached_tokens for r in results) / prompt, working_set,
-            working_set / pool if pool else None, self.tool_delay_s, self.spec,
-            self.block_size, prompt, pool // self.block_size if pool else None,
-        )  # fmt: skip
+        working_set, pool = self.agents * self.spec.final_target, self.pool_tokens
+        fit = PoolFit(working_set / pool, pool // self.block_size) if pool else None
+        return AgentsResult(summary, rates, sum(r.cached_tokens for r in results) / prompt,
+                            working_set, self.tool_delay_s, self.spec, self.block_size, prompt,
+                            fit)  # fmt: skip
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
