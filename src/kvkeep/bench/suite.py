@@ -194,5 +194,5 @@ def suite(size: Size, counter: TokenCounter) -> list[Scenario]:
 def suite_document(results: Results, size: Size) -> dict[str, Any]:
     """{"scenarios": {name: {"scenario": name, "modes": {mode: result}}}}."""
     doc = {n: {"scenario": n, "modes": modes} for n, modes in results.items()}
-    doc["session"]["spec"] = {"turns": 30, "scale": size.session_scale}
+    doc["session"]["spec"] = {"turns": SessionSpec().turns, "scale": size.session_scale}
     return {"scenarios": doc}
