@@ -44,11 +44,17 @@ class PoolFit:
 
 
 @dataclass(frozen=True)
-class AgentsResult:
-    """Agents on one engine."""
+class AgentsRun:
+    """What every agents run measures: the turns and where their hits came from."""
 
     summary: AgentsSummary = field(metadata=FLAT)
     rates: HitRates = field(metadata=FLAT)
+
+
+@dataclass(frozen=True)
+class AgentsResult(AgentsRun):
+    """Agents on one engine."""
+
     cached_fraction: float
     working_set_tokens: int
     tool_delay_s: float
@@ -59,11 +65,9 @@ class AgentsResult:
 
 
 @dataclass(frozen=True)
-class ReplicasResult:
+class ReplicasResult(AgentsRun):
     """Agents whose turns go round-robin over replicas."""
 
-    summary: AgentsSummary = field(metadata=FLAT)
-    rates: HitRates = field(metadata=FLAT)
     replicas: int
     shared_store: bool
     routing: str = "round robin per turn"
