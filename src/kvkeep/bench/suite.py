@@ -110,7 +110,7 @@ def _run_one(s: Scenario, ctx: RunContext) -> dict[str, Any]:
     """The scenario's result as JSON, with the engine it ran on; or its error."""
     engine = ctx.engines[0] if ctx.engines else None
     try:
-        if engine is not None and (engine.proc is None or engine.proc.poll() is not None):
+        if engine is not None and not engine.running:
             raise RuntimeError("not run: vLLM is not running")
         result: dict[str, Any] = to_json(s.run(ctx))
     except Exception as exc:  # one scenario's failure must not cost the others
@@ -126,7 +126,7 @@ def _failure(
 ) -> dict[str, Any]:
     """A scenario's result when it raised: the error, said at once and kept in the report."""
     error = f"{type(exc).__name__}: {exc}".strip()
-    if engine is not None and engine.proc is not None and engine.proc.poll() is not None:
+    if engine is not None and not engine.running:
         error += f" (vLLM had exited; its log: {engine.log_path})"
     tqdm.write(f"kvkeep bench: {scenario} failed in mode {mode}: {error}", file=sys.stderr)
     return {"error": error}

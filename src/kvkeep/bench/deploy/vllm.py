@@ -198,6 +198,11 @@ class VLLMServer:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
+    @property
+    def running(self) -> bool:
+        """Started and not exited (nor stopped)."""
+        return self.proc is not None and self.proc.poll() is None
+
     def start(self) -> VLLMServer:
         """Start vLLM and block until `/v1/models` answers. Raises LaunchError on failure."""
         exit_on_sigterm()
