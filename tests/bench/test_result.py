@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+import typing
+
 from kvkeep.bench.http import AgentsSummary
 from kvkeep.bench.metrics import HitRates
+from kvkeep.bench.report import tables
 from kvkeep.bench.result import to_json
-from kvkeep.bench.scenarios.agents import AgentsResult, PoolFit
+from kvkeep.bench.scenarios.agents import AgentsResult, PoolFit, ReplicasResult
+from kvkeep.bench.scenarios.capacity import CapacityResult
+from kvkeep.bench.scenarios.hol import HOLResult
+from kvkeep.bench.scenarios.restart import RemoteRestartResult, RestartResult
+from kvkeep.bench.scenarios.session import SessionResult
 from kvkeep.bench.scenarios.ttft import SizeTTFT, TTFTResult
 from kvkeep.workload import SessionSpec
 
@@ -33,3 +41,37 @@ def test_nested_results_in_a_dict_keep_their_keys() -> None:
     size = SizeTTFT(1.0, 0.1, [0.1], 10.0, 0, 896, 1000)
     assert to_json(TTFTResult({"1000": size}))["sizes"]["1000"]["warm_cached_tokens"] == 896
     assert "after_restart_s" not in to_json(size)
+
+
+def json_keys(cls: type) -> set[str]:
+    """The keys a result class's JSON has for sure (FLAT groups merged; tiers' keys vary)."""
+    hints = typing.get_type_hints(cls)
+    keys: set[str] = set()
+    for f in dataclasses.fields(cls):
+        if not f.metadata.get("flat"):
+            keys.add(f.name)
+            continue
+        group = [t for t in typing.get_args(hints[f.name]) if t is not type(None)]
+        group_type = group[0] if group else hints[f.name]
+        if dataclasses.is_dataclass(group_type):  # else a dict: keys known only at run time
+            keys |= json_keys(group_type)
+    return keys
+
+
+TIER_KEYS = {"ram_hit_rate", "disk_hit_rate", "remote_hit_rate"}  # HitRates.tiers, per run
+RESULTS = {
+    "agents": AgentsResult, "agents_fit": AgentsResult, "agents_replicas": ReplicasResult,
+    "hol": HOLResult, "restart": RestartResult, "restart_remote": RemoteRestartResult,
+    "session": SessionResult, "capacity": CapacityResult, "ttft": TTFTResult,
+}  # fmt: skip
+
+
+def test_every_column_of_every_table_is_a_field_of_its_result() -> None:
+    assert set(RESULTS) == set(tables.TABLES)
+    for name, table in tables.TABLES.items():
+        if isinstance(table, tables.Table):
+            missing = {c.key for c in table.columns} - json_keys(RESULTS[name]) - TIER_KEYS
+            assert not missing, (name, missing)
+    assert {key for key, *_ in tables.SESSION_ROWS} <= json_keys(SessionResult)
+    for _, _, scenario, path, _ in tables.CLAIMS:
+        assert path[0] in json_keys(RESULTS[scenario]), (scenario, path)
