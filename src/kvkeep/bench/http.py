@@ -6,6 +6,7 @@ previous one is done and its tool has "run" (`tool_delay_s`), many agents on one
 client's TTFT and latency; computed tokens are prompt minus cached). With several URLs, turn
 ``t`` of agent ``a`` goes to replica ``(a + t) % N``: consecutive turns of an agent never share
 a replica, the worst case for locality. `bench soak` runs its own step in the same loop.
+`summarize_agents` gives the `AgentsSummary` both agents results carry.
 """
 
 from __future__ import annotations

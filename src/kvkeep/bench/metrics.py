@@ -5,6 +5,8 @@ One Prometheus parser (`samples`), and what is built on it: vLLM's token counter
 server URL with the counters a scenario diffs around a measurement: vLLM's device and
 connector hits and, where a kvkeep cache server is deployed, its per-tier hits. A probe
 without a cache server reads no kvkeep tiers, so every mode reports the same fields.
+`hit_split` turns a difference into `HitRates`, the hit-rate group several results share
+(`mean_rates` combines several measurements).
 """
 
 from __future__ import annotations
