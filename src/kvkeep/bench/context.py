@@ -83,9 +83,11 @@ class RunContext:
         return self.engines[0]
 
     @property
-    def cache(self) -> CacheServer | None:
-        """The (first) cache server, None outside mode kvkeep."""
-        return self.caches[0] if self.caches else None
+    def cache(self) -> CacheServer:
+        """The (first) cache server; raises RuntimeError outside mode kvkeep."""
+        if not self.caches:
+            raise RuntimeError(f"this needs a kvkeep cache server; mode {self.mode} has none")
+        return self.caches[0]
 
     def probe(self, replica: int = 0) -> Probe:
         """Counters of one replica, following its engine across restarts."""

@@ -12,11 +12,12 @@ import asyncio
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass, field
 
 import httpx
 
-from kvkeep.bench.metrics import Probe, cacheable_tokens, hit_split
+from kvkeep.bench.metrics import HitRates, Probe, cacheable_tokens, hit_split
+from kvkeep.bench.result import FLAT
 from kvkeep.endpoint import REQUEST_TIMEOUT_S, complete_ids, discover_model
 from kvkeep.workload import QUESTION_TOKENS, random_ids
 
@@ -31,15 +32,29 @@ def question(index: int, salt: int = 0) -> list[int]:
     return [10 + (index * 13 + salt * 7 + j) % 90 for j in range(QUESTION_TOKENS)]
 
 
+@dataclass(frozen=True)
+class Queried:
+    """Documents queried once each: where the hits came from, the mean TTFT and each one,
+    and the tokens a cache could serve."""
+
+    rates: HitRates = field(metadata=FLAT)
+    ttft_s: float
+    ttfts_s: list[float]
+    cacheable: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.rates.hit_rate
+
+
 def query(
     probe: Probe,
     docs: list[list[int]],
     block_size: int,
     salt: int = 0,
     progress: Callable[[], object] | None = None,
-) -> dict[str, Any]:
-    """Each document once, with its question: where the hits came from (`hit_split`), the
-    mean TTFT and each one (`ttfts_s`), and the tokens a cache could serve (`cacheable`)."""
+) -> Queried:
+    """Each document once, with its question (``salt`` varies the question)."""
     return asyncio.run(_query(probe, docs, block_size, salt, progress))
 
 
@@ -49,7 +64,7 @@ async def _query(
     block_size: int,
     salt: int,
     progress: Callable[[], object] | None,
-) -> dict[str, Any]:
+) -> Queried:
     before = probe.snapshot()
     url = probe.current_url()
     ttfts, cacheable = [], 0
@@ -61,8 +76,8 @@ async def _query(
             cacheable += cacheable_tokens(s.prompt_tokens, block_size)
             if progress:
                 progress()
-    rates = hit_split(probe.delta(before), cacheable, block_size)
-    return {**rates, "ttft_s": statistics.fmean(ttfts), "ttfts_s": ttfts, "cacheable": cacheable}
+    rates = hit_split(probe.delta(before), cacheable)
+    return Queried(rates, statistics.fmean(ttfts), ttfts, cacheable)
 
 
 def reset_device_cache(url: str) -> None:

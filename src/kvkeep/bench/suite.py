@@ -24,7 +24,8 @@ from typing import Any
 from tqdm import tqdm
 
 from kvkeep.bench.context import RunContext, Setup, deployment
-from kvkeep.bench.deploy.vllm import MODES, LaunchConfig, LaunchError
+from kvkeep.bench.deploy.vllm import MODES, LaunchConfig, LaunchError, VLLMServer
+from kvkeep.bench.result import to_json
 from kvkeep.bench.scenario import Needs, Scenario
 from kvkeep.bench.scenarios.agents import AgentsScenario
 from kvkeep.bench.scenarios.capacity import CapacityScenario, CapacitySpec
@@ -106,13 +107,14 @@ def launch_config(base: LaunchConfig, needs: Needs, tokens: int) -> LaunchConfig
 
 
 def _run_one(s: Scenario, ctx: RunContext) -> dict[str, Any]:
+    """The scenario's result as JSON, with the engine it ran on; or its error."""
     engine = ctx.engines[0] if ctx.engines else None
-    if engine is not None and (engine.proc is None or engine.proc.poll() is not None):
-        return _failure(ctx.mode, s.name, RuntimeError("not run: vLLM is not running"), ctx)
     try:
-        result = s.run(ctx)
+        if engine is not None and not engine.running:
+            raise RuntimeError("not run: vLLM is not running")
+        result: dict[str, Any] = to_json(s.run(ctx))
     except Exception as exc:  # one scenario's failure must not cost the others
-        return _failure(ctx.mode, s.name, exc, ctx)
+        return _failure(ctx.mode, s.name, exc, engine)
     if engine is not None:
         result["server"] = {"ready_s": engine.ready_s, "log": str(engine.log_path),
                             "reserved_cpus": engine.cfg.reserved_cpus}  # fmt: skip
@@ -120,12 +122,11 @@ def _run_one(s: Scenario, ctx: RunContext) -> dict[str, Any]:
 
 
 def _failure(
-    mode: str, scenario: str, exc: BaseException, ctx: RunContext | None = None
+    mode: str, scenario: str, exc: BaseException, engine: VLLMServer | None = None
 ) -> dict[str, Any]:
     """A scenario's result when it raised: the error, said at once and kept in the report."""
     error = f"{type(exc).__name__}: {exc}".strip()
-    engine = ctx.engines[0] if ctx and ctx.engines else None
-    if engine is not None and engine.proc is not None and engine.proc.poll() is not None:
+    if engine is not None and not engine.running:
         error += f" (vLLM had exited; its log: {engine.log_path})"
     tqdm.write(f"kvkeep bench: {scenario} failed in mode {mode}: {error}", file=sys.stderr)
     return {"error": error}
@@ -193,5 +194,5 @@ def suite(size: Size, counter: TokenCounter) -> list[Scenario]:
 def suite_document(results: Results, size: Size) -> dict[str, Any]:
     """{"scenarios": {name: {"scenario": name, "modes": {mode: result}}}}."""
     doc = {n: {"scenario": n, "modes": modes} for n, modes in results.items()}
-    doc["session"]["spec"] = {"turns": 30, "scale": size.session_scale}
+    doc["session"]["spec"] = {"turns": SessionSpec().turns, "scale": size.session_scale}
     return {"scenarios": doc}

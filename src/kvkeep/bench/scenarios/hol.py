@@ -14,7 +14,6 @@ import asyncio
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import httpx
 
@@ -24,6 +23,17 @@ from kvkeep.endpoint import complete_ids, discover_model
 from kvkeep.workload import random_ids
 
 REPEATS = 3
+
+
+@dataclass(frozen=True)
+class HOLResult:
+    ttft_alone_s: float
+    ttft_beside_prefill_s: float
+    ratio: float | None
+    long_prefill_ttft_s: float
+    short_tokens: int
+    long_tokens: int
+    max_num_batched_tokens: int | None
 
 
 @dataclass
@@ -38,13 +48,13 @@ class HOLScenario:
     def needs(self) -> Needs:
         return Needs(tokens=self.long_tokens + 64, max_num_batched_tokens=self.budget)
 
-    def run(self, ctx: RunContext) -> dict[str, Any]:
+    def run(self, ctx: RunContext) -> HOLResult:
         return asyncio.run(self._run(ctx.url))
 
     def _ids(self, n: int, salt: object) -> list[int]:
         return random_ids(n, f"hol:{self.seed}:{salt}")
 
-    async def _run(self, url: str) -> dict[str, Any]:
+    async def _run(self, url: str) -> HOLResult:
         short = self._ids(self.short_tokens, "short")
         async with httpx.AsyncClient() as client:
             model = await discover_model(client, url)
@@ -58,15 +68,8 @@ class HOLScenario:
                 beside.append((await complete_ids(client, url, model, short)).ttft_s)
                 long_ttft.append((await big).ttft_s)
         a, b = statistics.median(alone), statistics.median(beside)
-        return {
-            "ttft_alone_s": a,
-            "ttft_beside_prefill_s": b,
-            "ratio": b / a if a > 0 else None,
-            "long_prefill_ttft_s": statistics.median(long_ttft),
-            "short_tokens": self.short_tokens,
-            "long_tokens": self.long_tokens,
-            "max_num_batched_tokens": self.budget,
-        }
+        return HOLResult(a, b, b / a if a > 0 else None, statistics.median(long_ttft),
+                         self.short_tokens, self.long_tokens, self.budget)  # fmt: skip
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -44,7 +44,6 @@ class SoakSpec:
     cache_disk: str = "1GiB"
     num_blocks: int = 96  # a small device pool, so kvkeep serves what vLLM evicted
     max_model_len: int = 4096
-    timeout_s: float = 1.0
     seed: int = 0
 
     @property

@@ -55,6 +55,22 @@ class StoreSpec:
     dir: str | None = None  # scratch directory on the disk to measure (None: a tmp dir)
 
 
+@dataclass(frozen=True)
+class StoreResult:
+    """The figures of the module doc (``memcpy_gbps`` ... ``rebuild_s_per_100k``)."""
+
+    block_bytes: int
+    total_bytes: int
+    memcpy_gbps: float
+    ram_put_gbps: float
+    ram_get_gbps: float
+    ram_get_verified_gbps: float
+    disk_get_gbps: float
+    lookup_p99_ms: float
+    disk_direct_read_gbps: float
+    rebuild_s_per_100k: float
+
+
 @dataclass
 class StoreScenario:
     """Runs its own cache servers; no vLLM."""
@@ -65,9 +81,9 @@ class StoreScenario:
     def needs(self) -> Needs:
         return Needs(engine=False)
 
-    def run(self, ctx: RunContext) -> dict[str, Any]:
+    def run(self, ctx: RunContext) -> StoreResult:
         with tempfile.TemporaryDirectory(prefix="kvkeep-bench-", dir=self.spec.dir) as tmp:
-            return run(self.spec, Path(tmp))
+            return StoreResult(**run(self.spec, Path(tmp)))
 
 
 def run(spec: StoreSpec, scratch: Path) -> dict[str, Any]:
