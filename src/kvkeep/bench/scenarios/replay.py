@@ -1,0 +1,250 @@
+"""`kvkeep bench replay` (S7): real Claude Code sessions replayed against the engine.
+
+The sessions and their token ids come from :mod:`kvkeep.plan.replay`, the same requests the
+planner reads, so `kvkeep plan --compare` can set its prediction beside what this measures.
+Each session runs closed-loop on the one agent loop (`bench.http.agent_loop`): a request
+waits for the previous reply, then for the trace's pause times ``--time-scale``; a session
+starts at its arrival offset times ``--time-scale`` (all at once without ``--window``).
+
+Per mode it reports prompt, cached (device and kvkeep, split by tier) and computed tokens;
+TTFT p50/p90/p99; requests per minute; session wall times; the order the requests were sent
+(what the planner replays); and, sampled every ``SAMPLE_S``, the hit rates by tier over time.
+Hit rates are over prompt tokens, from vLLM's counters (`bench.metrics.hit_split`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import functools
+import itertools
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+from kvkeep.bench.context import RunContext
+from kvkeep.bench.http import TurnResult, agent_loop
+from kvkeep.bench.metrics import Counters, Probe, hit_split
+from kvkeep.bench.scenario import Needs
+from kvkeep.endpoint import complete_ids, discover_model
+from kvkeep.plan.replay import Replay, ReplayCall, ReplaySpec, load_replay, replay_trace
+
+SAMPLE_S = 2.0  # how often the counters are read for the hit rate over time
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """One mode's replay. Rates are fractions of prompt tokens; times are seconds."""
+
+    hit_rate: float
+    device_hit_rate: float
+    kvkeep_hit_rate: float
+    tier_hit_rates: dict[str, float]  # kvkeep's share by tier: {"ram": ..., "disk": ...}
+    prompt_tokens: int
+    device_cached_tokens: int
+    kvkeep_cached_tokens: int
+    computed_tokens: int  # prompt - cached, as the server reported per request
+    ttft_p50_s: float
+    ttft_p90_s: float
+    ttft_p99_s: float
+    requests: int
+    requests_per_min: float
+    wall_s: float
+    session_wall_s_mean: float
+    session_wall_s_max: float
+    sessions: int
+    working_set_tokens: int
+    pool_blocks: int | None
+    working_set_over_pool: float | None
+    block_size: int
+    ttfts_s: list[float]  # every request's, in send order: the TTFT CDF
+    timeline: list[dict[str, float]]  # {"t_s", "device_hit_rate", "kvkeep_hit_rate"}
+    order: list[list[int]]  # [session, index] of each request, in the order sent
+    spec: dict[str, Any]  # ReplaySpec.record()
+
+
+@dataclass
+class ReplayScenario:
+    spec: ReplaySpec
+    name: str = "replay"
+
+    @functools.cached_property
+    def replay(self) -> Replay:
+        return load_replay(self.spec)
+
+    def needs(self) -> Needs:
+        return Needs(tokens=self.replay.max_tokens())
+
+    def run(self, ctx: RunContext) -> dict[str, Any]:
+        """Replay every session in this mode; ``dataclasses.asdict`` of a ReplayResult."""
+        pool = ctx.engine.cfg.num_blocks if ctx.engines else None
+        if ctx.engines and self.replay.max_tokens() > ctx.engine.cfg.max_model_len:
+            raise ValueError(
+                f"the longest replayed request is {self.replay.max_tokens()} tokens, over vLLM's "
+                f"max_model_len {ctx.engine.cfg.max_model_len}: raise --num-blocks or lower "
+                "--block-tokens"
+            )
+        probe = ctx.probe()
+        before = probe.snapshot()
+        t0 = time.perf_counter()
+        rows, samples = asyncio.run(_replay(ctx.url, self.replay, probe))
+        wall = time.perf_counter() - t0
+        result = summarize(self.replay, rows, probe.delta(before), wall, pool)
+        return dataclasses.asdict(dataclasses.replace(result, timeline=timeline(samples)))
+
+
+async def _replay(
+    url: str, replay: Replay, probe: Probe
+) -> tuple[list[TurnResult], list[tuple[float, Counters]]]:
+    """Every session closed-loop; the results in send order, and the sampled counters."""
+    rows: list[TurnResult] = []
+    async with httpx.AsyncClient() as client:
+        model = await discover_model(client, url)
+    t_run = time.perf_counter()
+
+    async def step(client: httpx.AsyncClient, _: int, call: ReplayCall) -> None:
+        await asyncio.sleep(call.pause_s)
+        prompt = replay.prompt_ids(call.session, call.turn)
+        start = time.perf_counter() - t_run
+        slot = len(rows)
+        rows.append(TurnResult(call.session, call.turn, 0, 0, 0, 0, 0.0, 0.0, start))
+        s = await complete_ids(client, url, model, prompt, call.output_tokens)
+        rows[slot] = TurnResult(call.session, call.turn, s.prompt_tokens, s.cached_tokens,
+                                s.prompt_tokens - s.cached_tokens, s.output_tokens, s.ttft_s,
+                                s.latency_s, start)  # fmt: skip
+        bar.update()
+
+    samples: list[tuple[float, Counters]] = []
+    with tqdm(total=replay.requests, desc=f"  {len(replay.sessions)} sessions' requests",
+              leave=False) as bar:  # fmt: skip
+        sampler = asyncio.create_task(_sample(probe, t_run, samples))
+        try:
+            await agent_loop(replay.calls, step)
+        finally:
+            sampler.cancel()
+    samples.append((time.perf_counter() - t_run, await asyncio.to_thread(probe.snapshot)))
+    return rows, samples
+
+
+async def _sample(probe: Probe, t_run: float, out: list[tuple[float, Counters]]) -> None:
+    """Append (seconds since the start, counters) every SAMPLE_S until cancelled."""
+    while True:
+        out.append((time.perf_counter() - t_run, await asyncio.to_thread(probe.snapshot)))
+        await asyncio.sleep(SAMPLE_S)
+
+
+def summarize(
+    replay: Replay, rows: list[TurnResult], delta: Counters, wall_s: float, pool: int | None
+) -> ReplayResult:
+    """The result of one mode from its requests (send order) and the counters' increase."""
+    block = replay.spec.engine_block_tokens
+    prompt = sum(r.prompt_tokens for r in rows)
+    split = hit_split(delta, prompt, 1)  # over prompt tokens, as the planner's token rate
+    tiers = {k[: -len("_hit_rate")]: v for k, v in split.items() if k not in _RATES}
+    ttfts = [r.ttft_s for r in rows]
+    walls = _session_walls(rows)
+    working = replay_trace(replay).distinct_blocks() * block
+    return ReplayResult(
+        hit_rate=split["hit_rate"], device_hit_rate=split["device_hit_rate"],
+        kvkeep_hit_rate=split["external_hit_rate"], tier_hit_rates=tiers, prompt_tokens=prompt,
+        device_cached_tokens=round(split["device_hit_rate"] * prompt),
+        kvkeep_cached_tokens=round(split["external_hit_rate"] * prompt),
+        computed_tokens=sum(r.computed_tokens for r in rows),
+        ttft_p50_s=percentile(ttfts, 0.5), ttft_p90_s=percentile(ttfts, 0.9),
+        ttft_p99_s=percentile(ttfts, 0.99), requests=len(rows),
+        requests_per_min=len(rows) / (wall_s / 60), wall_s=wall_s,
+        session_wall_s_mean=sum(walls) / max(1, len(walls)), session_wall_s_max=max(walls),
+        sessions=len(replay.sessions), working_set_tokens=working, pool_blocks=pool,
+        working_set_over_pool=working / (pool * block) if pool else None, block_size=block,
+        ttfts_s=ttfts, timeline=[], order=[[r.agent, r.turn] for r in rows],
+        spec=replay.spec.record(),
+    )  # fmt: skip
+
+
+_RATES = ("hit_rate", "device_hit_rate", "external_hit_rate")
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in (0, 1]); 0.0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def _session_walls(rows: list[TurnResult]) -> list[float]:
+    """Seconds from each session's first request to its last reply."""
+    spans: dict[int, tuple[float, float]] = {}
+    for r in rows:
+        lo, hi = spans.get(r.agent, (r.start_s, r.start_s + r.latency_s))
+        spans[r.agent] = (min(lo, r.start_s), max(hi, r.start_s + r.latency_s))
+    return [hi - lo for lo, hi in spans.values()] or [0.0]
+
+
+def timeline(samples: list[tuple[float, Counters]]) -> list[dict[str, float]]:
+    """Hit rates by tier between consecutive samples, over the prompt tokens in between
+    (intervals with no prompt tokens are left out)."""
+    out = []
+    for (_, a), (t, b) in itertools.pairwise(samples):
+        diff = {k: b.vllm.get(k, 0.0) - a.vllm.get(k, 0.0) for k in b.vllm}
+        prompt = diff.get("vllm:prompt_tokens_total", 0.0)
+        if prompt <= 0:
+            continue
+        out.append(
+            {
+                "t_s": t,
+                "device_hit_rate": diff["vllm:prefix_cache_hits_total"] / prompt,
+                "kvkeep_hit_rate": diff["vllm:external_prefix_cache_hits_total"] / prompt,
+            }
+        )
+    return out  # fmt: skip
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    d = ReplaySpec(traces=())
+    p.add_argument(
+        "--traces",
+        type=Path,
+        nargs="+",
+        required=True,
+        help="Claude Code trace files (.json/.json.gz) or directories of them",
+    )
+    p.add_argument(
+        "--sessions",
+        type=int,
+        default=d.sessions,
+        help="how many sessions (sub-agents count) run concurrently: the earliest",
+    )
+    p.add_argument(
+        "--block-tokens",
+        type=int,
+        default=d.block_tokens,
+        help="tokens each 64-token trace block becomes (a divisor of 64)",
+    )
+    p.add_argument("--window", type=float, help="sessions start uniformly over S trace seconds")
+    p.add_argument("--seed", type=int, default=d.seed, help="arrival model and token ids")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=d.time_scale,
+        help="multiplies the trace's pauses and start offsets",
+    )
+    p.add_argument("--max-output-tokens", type=int, default=d.max_output_tokens)
+    p.add_argument("--max-requests", type=int, help="each session's first N requests only")
+
+
+def build(args: argparse.Namespace) -> list[ReplayScenario]:
+    """The scenario; its sessions are read now, so a bad trace is an error (exit 2) at once."""
+    spec = ReplaySpec(traces=tuple(args.traces), sessions=args.sessions,
+                      block_tokens=args.block_tokens, window_s=args.window, seed=args.seed,
+                      time_scale=args.time_scale, max_output_tokens=args.max_output_tokens,
+                      max_requests=args.max_requests)  # fmt: skip
+    scenario = ReplayScenario(spec)
+    _ = scenario.replay
+    return [scenario]
