@@ -88,7 +88,7 @@ def test_unknown_mode_is_named(tmp_path: Path, tiny_model: Path) -> None:
 def test_results_without_capacity_or_agents(tmp_path: Path, tiny_model: Path) -> None:
     path = tmp_path / "ttft.json"
     path.write_text(json.dumps({"scenario": "ttft", "modes": {"vllm": {}}}))
-    with pytest.raises(TraceError, match="no capacity or agents scenario"):
+    with pytest.raises(TraceError, match="no capacity, agents or replay scenario"):
         compare(path, CompareConfig(model_dir=tiny_model))
 
 
