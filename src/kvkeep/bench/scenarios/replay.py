@@ -33,7 +33,14 @@ from kvkeep.bench.http import TurnResult, agent_loop
 from kvkeep.bench.metrics import Counters, Probe, hit_split
 from kvkeep.bench.scenario import Needs
 from kvkeep.endpoint import complete_ids, discover_model
-from kvkeep.plan.replay import Replay, ReplayCall, ReplaySpec, load_replay, replay_trace
+from kvkeep.plan.replay import (
+    DEFAULT_TRACES,
+    Replay,
+    ReplayCall,
+    ReplaySpec,
+    load_replay,
+    replay_trace,
+)
 
 SAMPLE_S = 2.0  # how often the counters are read for the hit rate over time
 
@@ -72,6 +79,7 @@ class ReplayResult:
 @dataclass
 class ReplayScenario:
     spec: ReplaySpec
+    num_blocks: int | None = None  # its own device pool (`bench all`); None: the run's
     name: str = "replay"
 
     @functools.cached_property
@@ -79,7 +87,13 @@ class ReplayScenario:
         return load_replay(self.spec)
 
     def needs(self) -> Needs:
-        return Needs(tokens=self.replay.max_tokens())
+        """The longest request; a trace that cannot be read asks for nothing here and fails
+        in ``run``, so the other scenarios of `bench all` still run."""
+        try:
+            tokens = self.replay.max_tokens()
+        except (ValueError, OSError):
+            tokens = 0
+        return Needs(tokens=tokens, num_blocks=self.num_blocks)
 
     def run(self, ctx: RunContext) -> dict[str, Any]:
         """Replay every session in this mode; ``dataclasses.asdict`` of a ReplayResult."""
@@ -203,7 +217,7 @@ def timeline(samples: list[tuple[float, Counters]]) -> list[dict[str, float]]:
                 "kvkeep_hit_rate": diff["vllm:external_prefix_cache_hits_total"] / prompt,
             }
         )
-    return out  # fmt: skip
+    return out
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -212,8 +226,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--traces",
         type=Path,
         nargs="+",
-        required=True,
-        help="Claude Code trace files (.json/.json.gz) or directories of them",
+        default=[DEFAULT_TRACES],
+        help=f"Claude Code trace files or directories of them (default: {DEFAULT_TRACES})",
     )
     p.add_argument(
         "--sessions",
