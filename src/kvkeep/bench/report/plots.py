@@ -134,9 +134,10 @@ def plot_replay(doc: dict[str, Any], out: Path) -> list[Path]:
             points = r.get("timeline") or []
             for tier, style in (("device", "-"), ("kvkeep", "--")):
                 ys = [100 * p[f"{tier}_hit_rate"] for p in points]
-                if any(ys):
+                if any(ys) or (tier == "device" and points):
                     ax.plot([p["t_s"] for p in points], ys, style, label=f"{mode}: {tier}")
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
     return [cdf, over_time]
 
 
