@@ -6,10 +6,10 @@ scenario measures the same setup whether it runs alone or in `bench all`. Scenar
 `Needs` agree share one deployment, in the order given; a scenario that fails is recorded as
 ``{"error": ...}`` for that mode, and the others still run.
 
-`bench all` runs S1 (session), S2 (TTFT), S6 (head-of-line), S3 (capacity), S5 (agents), S7
-(real Claude Code sessions, on a pool of its own) and S4 (restart, last: it restarts the
-engine and the cache server) on a device pool small enough that the capacity documents, the
-agents' and the real sessions' working sets exceed it (the last at least 3x). `--quick` is
+`bench all` runs S1 (session), S2 (TTFT), S6 (head-of-line), S3 (capacity), S5 (agents) and
+S4 (restart: it restarts the engine and the cache server) on a device pool small enough that
+the capacity documents and the agents' working set exceed it, then S7 (real Claude Code
+sessions) on a pool of its own that their working set exceeds at least 3x. `--quick` is
 the demo's size (about 10 minutes on 2 cores); the default size takes about 30.
 """
 
@@ -178,7 +178,7 @@ QUICK = Size(
     capacity_doc_tokens=2048, capacity_rounds=2, agents=8, agent_turns=30, agent_scale=0.08,
     restart_docs=3, restart_doc_tokens=4096, estimate_s=180,
     replay=ReplaySize(files=("trace_0086", "trace_0624", "trace_0427", "trace_0021"),
-                      block_tokens=4, pool_blocks=25),
+                      block_tokens=4, pool_blocks=25, time_scale=0.0002),
 )  # fmt: skip
 FULL = Size(
     pool_blocks=256, session_scale=0.25, ttft_sizes=(4096, 16384), hol_long=16384,
@@ -214,10 +214,10 @@ def suite(size: Size, counter: TokenCounter) -> list[Scenario]:
         fit = replace(agents, scale=size.agent_fit_scale)
         out.append(AgentsScenario(fit, counter, agents=size.agents, tool_delay_s=0.2,
                                   pool_tokens=pool, name="agents_fit"))  # fmt: skip
-    if size.replay:
-        out.append(replay_scenario(size.replay))
     out.append(RestartScenario(RestartSpec(docs=size.restart_docs,
                                            doc_tokens=size.restart_doc_tokens)))  # fmt: skip
+    if size.replay:  # after restart: a deployment of its own either way
+        out.append(replay_scenario(size.replay))
     return out
 
 
