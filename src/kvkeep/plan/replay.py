@@ -57,7 +57,7 @@ class ReplaySpec:
     window_s: float | None = None
     seed: int = 0
     time_scale: float = 0.01
-    max_output_tokens: int = 16
+    max_output_tokens: int = 4  # decode steps hold the pool: keep each request prefill-bound
     max_requests: int | None = None  # per session: its first N calls
     engine_block_tokens: int = ENGINE_BLOCK_TOKENS
 
