@@ -37,7 +37,7 @@ BENCHES: dict[str, Route] = {
         ("hol", "a cached request beside a large prefill (S6)"),
         ("restart", "hits and TTFT after vLLM and cache restarts (S4)"),
         ("replay", "real Claude Code sessions, closed loop (S7)"),
-        ("all", "S1-S6 side by side: report.md, report.html, plots"),
+        ("all", "S1-S7 side by side: report.md, report.html, plots"),
         ("soak", "agents while the cache and engine are killed"),
         ("store", "cache-server and tier bandwidth"),
     )

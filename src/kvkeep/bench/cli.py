@@ -58,7 +58,7 @@ COMMANDS: dict[str, Command] = {
                       modes="none,vllm,kvkeep"),
     "restart": Command("hits and TTFT after vLLM and cache restarts (S4)", restart,
                        modes="vllm,kvkeep"),
-    "all": Command("the study's six experiments side by side: report.md, report.html, plots",
+    "all": Command("the study's six experiments and S7 side by side: report.md, report.html, plots",
                    None, modes="none,vllm,kvkeep"),
     "soak": Command("agents while the cache and engine are killed", soak, "kvkeep",
                     compare=False, output=soak.output),

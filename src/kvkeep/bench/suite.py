@@ -1,4 +1,4 @@
-"""The one mode loop (`run_modes`), and `kvkeep bench all`: the study's six experiments.
+"""The one mode loop (`run_modes`), and `kvkeep bench all`: the study's six experiments and S7.
 
 `run_modes` runs scenarios in each mode in turn (`none`, `vllm`, `kvkeep`: same model, pool
 and pinned CPU threads, only the cache changed), every scenario through `deployment`, so one
