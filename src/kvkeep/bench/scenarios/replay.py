@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -147,9 +148,11 @@ async def _replay(
 
 
 async def _sample(probe: Probe, t_run: float, out: list[tuple[float, Counters]]) -> None:
-    """Append (seconds since the start, counters) every SAMPLE_S until cancelled."""
+    """Append (seconds since the start, counters) every SAMPLE_S until cancelled; a scrape
+    that fails is skipped (the plot has a gap, the replay goes on)."""
     while True:
-        out.append((time.perf_counter() - t_run, await asyncio.to_thread(probe.snapshot)))
+        with contextlib.suppress(httpx.HTTPError):
+            out.append((time.perf_counter() - t_run, await asyncio.to_thread(probe.snapshot)))
         await asyncio.sleep(SAMPLE_S)
 
 
