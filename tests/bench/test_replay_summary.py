@@ -46,6 +46,7 @@ def test_summary_and_report(tmp_path: Path) -> None:
     delta = Counters(counters(480, 96, 96).vllm, {"ram": 3.0, "disk": 1.0})
     result = summarize(replay, sent, delta, wall_s=30.0, pool=1)
     assert (result.prompt_tokens, result.computed_tokens) == (480, 288)
+    assert result.reported_hit_rate == 192 / 480
     assert (result.device_cached_tokens, result.kvkeep_cached_tokens) == (96, 96)
     assert result.hit_rate == 192 / 480 and result.tier_hit_rates == {"ram": 0.15, "disk": 0.05}
     assert (result.ttft_p50_s, result.ttft_p99_s) == (0.2, 0.30000000000000004)

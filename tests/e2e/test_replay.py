@@ -59,7 +59,8 @@ def test_every_request_reaches_the_engine_as_the_replay_built_it(run: dict[str, 
         assert isinstance(result[key], float), key
     assert result["ttft_p50_s"] <= result["ttft_p90_s"] <= result["ttft_p99_s"]
     cached = result["device_cached_tokens"] + result["kvkeep_cached_tokens"]
-    assert result["computed_tokens"] == result["prompt_tokens"] - cached
+    assert abs(result["computed_tokens"] - (result["prompt_tokens"] - cached)) <= 128 * 2
+    assert abs(result["hit_rate"] - result["reported_hit_rate"]) <= 0.02
     assert result["kvkeep_cached_tokens"] > 0 and result["hit_rate"] > 0.5
     assert {p.name for p in run["dir"].glob("*.png")} == {
         "replay_ttft_cdf.png", "replay_hit_rate_over_time.png"}  # fmt: skip

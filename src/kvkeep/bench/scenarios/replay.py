@@ -58,6 +58,8 @@ class ReplayResult:
     device_cached_tokens: int
     kvkeep_cached_tokens: int
     computed_tokens: int  # prompt - cached, as the server reported per request
+    reported_hit_rate: float  # cached / prompt tokens from the replies (vLLM counts hits again
+    # when it preempts and reschedules a request; the replies do not)
     ttft_p50_s: float
     ttft_p90_s: float
     ttft_p99_s: float
@@ -173,6 +175,7 @@ def summarize(
         device_cached_tokens=round(split["device_hit_rate"] * prompt),
         kvkeep_cached_tokens=round(split["external_hit_rate"] * prompt),
         computed_tokens=sum(r.computed_tokens for r in rows),
+        reported_hit_rate=sum(r.cached_tokens for r in rows) / max(1, prompt),
         ttft_p50_s=percentile(ttfts, 0.5), ttft_p90_s=percentile(ttfts, 0.9),
         ttft_p99_s=percentile(ttfts, 0.99), requests=len(rows),
         requests_per_min=len(rows) / (wall_s / 60), wall_s=wall_s,
