@@ -18,10 +18,9 @@ import pytest
 
 from kvkeep.plan.replay import ReplaySpec, load_replay
 
-from ..plan.test_claude_code import TRACES
-
 pytestmark = pytest.mark.e2e
 
+TRACES = Path(__file__).resolve().parents[3] / "shared/data/claude-code-traces"
 FILES = ("trace_0057.json.gz", "trace_0174.json.gz")  # 8 and 6 requests
 POOL_BLOCKS = 12
 
