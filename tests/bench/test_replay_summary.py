@@ -22,16 +22,17 @@ def test_percentiles_are_nearest_rank() -> None:
 
 
 def counters(prompt: float, device: float, external: float) -> Counters:
-    return Counters({"vllm:prompt_tokens_total": prompt, "vllm:prefix_cache_hits_total": device,
+    return Counters({"vllm:prompt_tokens_total": prompt, "vllm:prefix_cache_queries_total": prompt,
+                     "vllm:prefix_cache_hits_total": device,
                      "vllm:external_prefix_cache_hits_total": external}, {})  # fmt: skip
 
 
-def test_the_hit_rate_over_time_is_per_interval() -> None:
-    samples = [(0.0, counters(0, 0, 0)), (2.0, counters(1000, 100, 500)),
-               (4.0, counters(1000, 100, 500)), (6.0, counters(3000, 300, 1900))]  # fmt: skip
+def test_the_hit_rate_over_time_is_cumulative_over_lookups() -> None:
+    samples = [(0.0, counters(100, 0, 0)), (2.0, counters(100, 0, 0)),
+               (4.0, counters(1100, 100, 500)), (6.0, counters(3100, 600, 2400))]  # fmt: skip
     assert timeline(samples) == [
-        {"t_s": 2.0, "device_hit_rate": 0.1, "kvkeep_hit_rate": 0.5},
-        {"t_s": 6.0, "device_hit_rate": 0.1, "kvkeep_hit_rate": 0.7},
+        {"t_s": 4.0, "device_hit_rate": 0.1, "kvkeep_hit_rate": 0.5},
+        {"t_s": 6.0, "device_hit_rate": 0.2, "kvkeep_hit_rate": 0.8},
     ]
 
 

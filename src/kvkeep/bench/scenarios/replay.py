@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -74,7 +73,7 @@ class ReplayResult:
     working_set_over_pool: float | None
     block_size: int
     ttfts_s: list[float]  # every request's, in send order: the TTFT CDF
-    timeline: list[dict[str, float]]  # {"t_s", "device_hit_rate", "kvkeep_hit_rate"}
+    timeline: list[dict[str, float]]  # cumulative: {"t_s", "device_hit_rate", ...}
     order: list[list[int]]  # [session, index] of each request, in the order sent
     spec: dict[str, Any]  # ReplaySpec.record()
 
@@ -208,21 +207,22 @@ def _session_walls(rows: list[TurnResult]) -> list[float]:
 
 
 def timeline(samples: list[tuple[float, Counters]]) -> list[dict[str, float]]:
-    """Hit rates by tier between consecutive samples, over the prompt tokens in between
-    (intervals with no prompt tokens are left out)."""
+    """Hit rates by tier from the first sample to each later one, over the prompt tokens vLLM
+    looked up in between (``prefix_cache_queries``, counted when the hits are, so a rate
+    never exceeds 1). Samples where nothing was looked up yet are left out."""
+    if not samples:
+        return []
+    first = samples[0][1].vllm
     out = []
-    for (_, a), (t, b) in itertools.pairwise(samples):
-        diff = {k: b.vllm.get(k, 0.0) - a.vllm.get(k, 0.0) for k in b.vllm}
-        prompt = diff.get("vllm:prompt_tokens_total", 0.0)
-        if prompt <= 0:
+    for t, counters in samples[1:]:
+        diff = {k: v - first.get(k, 0.0) for k, v in counters.vllm.items()}
+        queries = diff.get("vllm:prefix_cache_queries_total", 0.0)
+        if queries <= 0:
             continue
-        out.append(
-            {
-                "t_s": t,
-                "device_hit_rate": diff["vllm:prefix_cache_hits_total"] / prompt,
-                "kvkeep_hit_rate": diff["vllm:external_prefix_cache_hits_total"] / prompt,
-            }
-        )
+        device = diff.get("vllm:prefix_cache_hits_total", 0.0)
+        external = diff.get("vllm:external_prefix_cache_hits_total", 0.0)
+        out.append({"t_s": t, "device_hit_rate": device / queries,
+                    "kvkeep_hit_rate": external / queries})  # fmt: skip
     return out
 
 
