@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from kvkeep.plan.footprint import resolve_model
-from kvkeep.plan.replay import ReplaySpec, load_replay, replay_trace
+from kvkeep.plan.replay import DEFAULT_TRACES, ReplaySpec, load_replay, replay_trace
 from kvkeep.plan.stackdist import StackDistances, stack_distances
 from kvkeep.plan.tiers import TierSpec, reaches
 from kvkeep.plan.trace import BlockTrace, TraceError
@@ -240,7 +240,7 @@ def _rows(
 def _replay(name: str, modes: dict[str, Any], ctx: _Context) -> list[Row]:
     """Each mode's requests in the order it sent them; rates over prompt tokens."""
     first = next(iter(modes.values()))
-    replay = load_replay(ReplaySpec.from_record(first["spec"]))
+    replay = load_replay(_found(ReplaySpec.from_record(first["spec"]), ctx.note))
     rows = []
     for mode, result in modes.items():
         if not result.get("pool_blocks"):
@@ -250,6 +250,22 @@ def _replay(name: str, modes: dict[str, Any], ctx: _Context) -> list[Row]:
         tiers = ctx.tiers(result, result["pool_blocks"], trace.block_tokens)
         rows += _rows(name, {mode: result}, tiers, stack_distances(trace).token_hit_rate)
     return rows
+
+
+def _found(spec: ReplaySpec, note: _Notes) -> ReplaySpec:
+    """``spec`` with each recorded trace that is gone (results from another machine) looked
+    up by name in the shared traces, noted as assumed. TraceError if it is not there either."""
+    found = []
+    for path in spec.traces:
+        shared = DEFAULT_TRACES / path.name
+        if not path.exists() and not shared.exists():
+            raise TraceError(f"{note.scenario}: the replayed trace {path} is missing (nor at "
+                             f"{shared}); copy it back, or run beside the shared data")  # fmt: skip
+        if not path.exists():
+            note.out.append(f"{note.scenario}: {path.name} read from {DEFAULT_TRACES} "
+                            f"({path} is missing)")  # fmt: skip
+        found.append(path if path.exists() else shared)
+    return replace(spec, traces=tuple(found))
 
 
 _KINDS = {"capacity": _capacity, "agents": _agents, "replay": _replay}
