@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -111,8 +112,8 @@ class ReplayScenario:
         t0 = time.perf_counter()
         rows, samples = asyncio.run(_replay(ctx.url, self.replay, probe))
         wall = time.perf_counter() - t0
-        result = summarize(self.replay, rows, probe.delta(before), wall, pool)
-        return dataclasses.asdict(dataclasses.replace(result, timeline=timeline(samples)))
+        result = summarize(self.replay, rows, probe.delta(before), wall, pool, samples)
+        return dataclasses.asdict(result)
 
 
 async def _replay(
@@ -158,9 +159,15 @@ async def _sample(probe: Probe, t_run: float, out: list[tuple[float, Counters]])
 
 
 def summarize(
-    replay: Replay, rows: list[TurnResult], delta: Counters, wall_s: float, pool: int | None
+    replay: Replay,
+    rows: list[TurnResult],
+    delta: Counters,
+    wall_s: float,
+    pool: int | None,
+    samples: Sequence[tuple[float, Counters]] = (),
 ) -> ReplayResult:
-    """The result of one mode from its requests (send order) and the counters' increase."""
+    """The result of one mode from its requests (send order), the counters' increase over
+    the run and the counters sampled during it."""
     block = replay.spec.engine_block_tokens
     prompt = sum(r.prompt_tokens for r in rows)
     split = hit_split(delta, prompt, 1)  # over prompt tokens, as the planner's token rate
@@ -181,7 +188,7 @@ def summarize(
         session_wall_s_mean=sum(walls) / max(1, len(walls)), session_wall_s_max=max(walls),
         sessions=len(replay.sessions), working_set_tokens=working, pool_blocks=pool,
         working_set_over_pool=working / (pool * block) if pool else None, block_size=block,
-        ttfts_s=ttfts, timeline=[], order=[[r.agent, r.turn] for r in rows],
+        ttfts_s=ttfts, timeline=timeline(samples), order=[[r.agent, r.turn] for r in rows],
         spec=replay.spec.record(),
     )  # fmt: skip
 
@@ -206,7 +213,7 @@ def _session_walls(rows: list[TurnResult]) -> list[float]:
     return [hi - lo for lo, hi in spans.values()] or [0.0]
 
 
-def timeline(samples: list[tuple[float, Counters]]) -> list[dict[str, float]]:
+def timeline(samples: Sequence[tuple[float, Counters]]) -> list[dict[str, float]]:
     """Hit rates by tier from the first sample to each later one, over the prompt tokens vLLM
     looked up in between (``prefix_cache_queries``, counted when the hits are, so a rate
     never exceeds 1). Samples where nothing was looked up yet are left out."""
