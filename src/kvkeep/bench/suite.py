@@ -162,7 +162,9 @@ class Size:
 class ReplaySize:
     """S7: which real sessions, how scaled, on what device pool. Chosen (with
     `kvkeep.plan.replay`) so that their working set is at least 3x the pool: QUICK's is 91
-    blocks on 25 (3.6x), FULL's 277 on 49 (5.7x)."""
+    blocks on 25 (3.6x), FULL's 277 on 49 (5.7x). These sessions make 24-26 requests each
+    (14 for trace_0021), enough for kvkeep to reach ~90% of prompt tokens. QUICK measured
+    1:45 for all three modes, engine starts included (2 cores, 2026-11-30)."""
 
     files: tuple[str, ...]
     block_tokens: int
@@ -176,14 +178,14 @@ class ReplaySize:
 QUICK = Size(
     pool_blocks=128, session_scale=0.1, ttft_sizes=(2048, 8192), hol_long=8192,
     capacity_doc_tokens=2048, capacity_rounds=2, agents=8, agent_turns=30, agent_scale=0.08,
-    restart_docs=3, restart_doc_tokens=4096, estimate_s=180,
+    restart_docs=3, restart_doc_tokens=4096, estimate_s=215,
     replay=ReplaySize(files=("trace_0086", "trace_0624", "trace_0427", "trace_0021"),
                       block_tokens=4, pool_blocks=25, time_scale=0.0002),
 )  # fmt: skip
 FULL = Size(
     pool_blocks=256, session_scale=0.25, ttft_sizes=(4096, 16384), hol_long=16384,
     capacity_doc_tokens=4096, capacity_rounds=3, agents=8, agent_turns=30, agent_scale=0.1,
-    restart_docs=4, restart_doc_tokens=8192, estimate_s=360, agent_fit_scale=0.02,
+    restart_docs=4, restart_doc_tokens=8192, estimate_s=440, agent_fit_scale=0.02,
     replay=ReplaySize(files=("trace_0086", "trace_0624", "trace_0427", "trace_0021",
                              "trace_0617", "trace_0358"), block_tokens=8, pool_blocks=49),
 )  # fmt: skip
