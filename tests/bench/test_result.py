@@ -12,6 +12,7 @@ from kvkeep.bench.result import to_json
 from kvkeep.bench.scenarios.agents import AgentsResult, PoolFit, ReplicasResult
 from kvkeep.bench.scenarios.capacity import CapacityResult
 from kvkeep.bench.scenarios.hol import HOLResult
+from kvkeep.bench.scenarios.replay import ReplayResult
 from kvkeep.bench.scenarios.restart import RemoteRestartResult, RestartResult
 from kvkeep.bench.scenarios.session import SessionResult
 from kvkeep.bench.scenarios.ttft import SizeTTFT, TTFTResult
@@ -63,6 +64,7 @@ RESULTS = {
     "agents": AgentsResult, "agents_fit": AgentsResult, "agents_replicas": ReplicasResult,
     "hol": HOLResult, "restart": RestartResult, "restart_remote": RemoteRestartResult,
     "session": SessionResult, "capacity": CapacityResult, "ttft": TTFTResult,
+    "replay": ReplayResult,
 }  # fmt: skip
 
 

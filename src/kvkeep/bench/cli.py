@@ -30,6 +30,7 @@ from kvkeep.bench.deploy.vllm import MODES, LaunchConfig
 from kvkeep.bench.report.environment import environment
 from kvkeep.bench.scenario import Scenario
 from kvkeep.bench.scenarios import agents, capacity, hol, restart, session, soak, store, ttft
+from kvkeep.bench.scenarios import replay as replay_scenario
 from kvkeep.workload import BENCH_CACHE_DISK, BENCH_CACHE_RAM, HFTokenizer
 
 Output = Callable[[dict[str, Any], argparse.Namespace], int]
@@ -53,9 +54,11 @@ COMMANDS: dict[str, Command] = {
     "capacity": Command("more documents than the device pool (S3)", capacity),
     "agents": Command("N concurrent closed-loop agents (S5)", agents),
     "hol": Command("a cached request beside a large prefill (S6)", hol),
+    "replay": Command("real Claude Code sessions, closed loop (S7)", replay_scenario,
+                      modes="none,vllm,kvkeep"),
     "restart": Command("hits and TTFT after vLLM and cache restarts (S4)", restart,
                        modes="vllm,kvkeep"),
-    "all": Command("the study's six experiments side by side: report.md, report.html, plots",
+    "all": Command("the study's six experiments and S7 side by side: report.md, report.html, plots",
                    None, modes="none,vllm,kvkeep"),
     "soak": Command("agents while the cache and engine are killed", soak, "kvkeep",
                     compare=False, output=soak.output),

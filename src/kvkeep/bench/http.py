@@ -16,6 +16,7 @@ import statistics
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import httpx
 
@@ -40,12 +41,12 @@ class TurnResult:
     start_s: float
 
 
-Step = Callable[[httpx.AsyncClient, int, Turn], Awaitable[None]]
+T = TypeVar("T")  # what a session is a sequence of: a Turn, or a replayed request
 
 
 async def agent_loop(
-    sessions: Sequence[Sequence[Turn]],
-    step: Step,
+    sessions: Sequence[Sequence[T]],
+    step: Callable[[httpx.AsyncClient, int, T], Awaitable[None]],
     tool_delay_s: float = 0.0,
     until: float | None = None,
 ) -> None:
@@ -54,7 +55,7 @@ async def agent_loop(
     limits = httpx.Limits(max_connections=max(8, len(sessions) * 2))
     async with httpx.AsyncClient(limits=limits, timeout=REQUEST_TIMEOUT_S) as client:
 
-        async def agent(a: int, turns: Sequence[Turn]) -> None:
+        async def agent(a: int, turns: Sequence[T]) -> None:
             i = 0
             while i < len(turns) if until is None else time.monotonic() < until:
                 await step(client, a, turns[i % len(turns)])

