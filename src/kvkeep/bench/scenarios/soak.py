@@ -92,9 +92,9 @@ class SoakScenario:
         print(f"soak: {spec.minutes} min of agents and faults", file=sys.stderr)
         t0 = time.monotonic()
         sampler = Sampler(ctx.cache, ctx.engine, spec.sample_every_s, t0)
-        faults = Faults(spec, ctx.cache, ctx.engine)
+        faults = Faults(spec, ctx.cache, ctx.engine, sampler)
         sampler.start()
-        faults.start(t0, sampler)
+        faults.start()
         tally = Tally()
 
         async def step(client: httpx.AsyncClient, a: int, turn: Turn) -> None:
