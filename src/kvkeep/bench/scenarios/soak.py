@@ -313,18 +313,15 @@ def hit_windows(
                 "t_s": round(lo, 1),
                 "requests": len(rows),
                 "cached_fraction": round(_fraction(rows), 4),
-                "kvkeep_hit_blocks": _delta(samples, lo, hi),
+                "kvkeep_hit_blocks": _hits_before(samples, hi) - _hits_before(samples, lo),
             }
         )
     return out
 
 
-def _delta(samples: Sequence[Sample], lo: float, hi: float) -> float:
-    inside = [s.kvkeep_hit_blocks for s in samples if lo <= s.t_s < hi]
-    before = [s.kvkeep_hit_blocks for s in samples if s.t_s < lo]
-    if not inside:
-        return 0.0
-    return inside[-1] - (before[-1] if before else 0.0)
+def _hits_before(samples: Sequence[Sample], t: float) -> float:
+    """kvkeep's hit blocks as last sampled before ``t``: a running total, so the largest."""
+    return max((s.kvkeep_hit_blocks for s in samples if s.t_s < t), default=0.0)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
