@@ -53,6 +53,10 @@ class CapacitySpec:
     def num_docs(self) -> int:
         return math.ceil(self.k * self.pool_blocks * self.block_size / self.doc_tokens)
 
+    def documents(self) -> list[list[int]]:
+        """`num_docs` distinct token-id documents, the same for the same seed."""
+        return documents(self.num_docs, self.doc_tokens, f"capacity:{self.seed}")
+
 
 @dataclass(frozen=True)
 class CapacityRound:
@@ -94,7 +98,7 @@ class CapacityScenario:
     def run(self, ctx: RunContext) -> CapacityResult:
         spec = self.spec
         spec.validate()
-        docs = documents(spec.num_docs, spec.doc_tokens, f"capacity:{spec.seed}")  # seeded
+        docs = spec.documents()
         with tqdm(total=len(docs) * spec.rounds, desc="  capacity queries", leave=False) as bar:
             rounds = [self._round(ctx.probe(), docs, r, bar) for r in range(spec.rounds)]
         measured = rounds[1:]
