@@ -11,7 +11,7 @@ from kvkeep.bench.http import TurnResult, summarize_agents
 from kvkeep.bench.metrics import Counters, HitRates, cacheable_tokens, hit_split, mean_rates
 from kvkeep.bench.prompts import Queried
 from kvkeep.bench.result import to_json
-from kvkeep.bench.scenarios.capacity import CapacitySpec, capacity_documents
+from kvkeep.bench.scenarios.capacity import CapacitySpec
 from kvkeep.bench.scenarios.restart import summarize
 
 
@@ -39,11 +39,11 @@ def test_hit_split_by_device_connector_and_kvkeep_tiers() -> None:
 
 def test_capacity_documents_total_k_times_the_pool() -> None:
     spec = CapacitySpec(pool_blocks=64, k=4, doc_tokens=1024, rounds=2)
-    docs = capacity_documents(spec)
+    docs = spec.documents()
     assert len(docs) == spec.num_docs == 32
     assert sum(len(d) for d in docs) == 4 * 64 * 128
     assert len({tuple(d[:8]) for d in docs}) == len(docs)  # no two documents share a prefix
-    assert capacity_documents(spec) == docs  # deterministic
+    assert spec.documents() == docs  # deterministic
 
 
 @pytest.mark.parametrize(

@@ -65,7 +65,6 @@ class RunContext:
     engines: list[VLLMServer] = field(default_factory=list)
     caches: list[CacheServer] = field(default_factory=list)
     endpoint: str | None = None
-    store: str | None = None
 
     @property
     def url(self) -> str:
@@ -127,4 +126,4 @@ def deployment(mode: str, cfg: LaunchConfig, needs: Needs, setup: Setup) -> Iter
             with ThreadPoolExecutor(len(engines)) as pool:
                 for future in [pool.submit(e.start) for e in engines]:
                     future.result()
-        yield RunContext(mode, cfg.model, engines, caches, store=store)
+        yield RunContext(mode, cfg.model, engines, caches)

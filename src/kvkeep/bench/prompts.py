@@ -18,7 +18,7 @@ import httpx
 
 from kvkeep.bench.metrics import HitRates, Probe, cacheable_tokens, hit_split
 from kvkeep.bench.result import FLAT
-from kvkeep.endpoint import REQUEST_TIMEOUT_S, complete_ids, discover_model
+from kvkeep.endpoint import REQUEST_TIMEOUT_S, StreamStats, complete_ids, discover_model
 from kvkeep.workload import QUESTION_TOKENS, random_ids
 
 
@@ -54,28 +54,22 @@ def query(
     salt: int = 0,
     progress: Callable[[], object] | None = None,
 ) -> Queried:
-    """Each document once, with its question (``salt`` varies the question)."""
-    return asyncio.run(_query(probe, docs, block_size, salt, progress))
+    """Each document once, with its question (``salt`` varies the question), one at a time."""
 
+    async def send_all() -> list[StreamStats]:
+        out = []
+        async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as client:
+            model = await discover_model(client, url)
+            for i, doc in enumerate(docs):
+                out.append(await complete_ids(client, url, model, doc + question(i, salt)))
+                if progress:
+                    progress()
+        return out
 
-async def _query(
-    probe: Probe,
-    docs: list[list[int]],
-    block_size: int,
-    salt: int,
-    progress: Callable[[], object] | None,
-) -> Queried:
-    before = probe.snapshot()
-    url = probe.current_url()
-    ttfts, cacheable = [], 0
-    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as client:
-        model = await discover_model(client, url)
-        for i, doc in enumerate(docs):
-            s = await complete_ids(client, url, model, doc + question(i, salt))
-            ttfts.append(s.ttft_s)
-            cacheable += cacheable_tokens(s.prompt_tokens, block_size)
-            if progress:
-                progress()
+    before, url = probe.snapshot(), probe.current_url()
+    sent = asyncio.run(send_all())
+    cacheable = sum(cacheable_tokens(s.prompt_tokens, block_size) for s in sent)
+    ttfts = [s.ttft_s for s in sent]
     rates = hit_split(probe.delta(before), cacheable)
     return Queried(rates, statistics.fmean(ttfts), ttfts, cacheable)
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import atexit
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -39,6 +38,7 @@ import httpx
 
 from kvkeep.bench.deploy import exit_on_sigterm
 from kvkeep.serve import kv_transfer_args, stop_process_group
+from kvkeep.store.redis_process import free_port
 
 SERVED_MODEL_NAME = "kvkeep-tiny"
 LOG_TAIL_LINES = 30
@@ -121,13 +121,6 @@ def _check_real_weights(model: Path, extra_args: Sequence[str]) -> None:
             )
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def build_command(cfg: LaunchConfig, port: int) -> tuple[list[str], dict[str, str]]:
     """The argv and environment that start vLLM for `cfg` on `port`. Pure function."""
     argv = [
@@ -153,7 +146,7 @@ def build_command(cfg: LaunchConfig, port: int) -> tuple[list[str], dict[str, st
     argv += list(MODES[cfg.mode].args)
     env = dict(os.environ)
     env.update(
-        VLLM_CPU_KVCACHE_SPACE=_gib_arg(cfg.kv_pool_gib),
+        VLLM_CPU_KVCACHE_SPACE=f"{cfg.kv_pool_gib:g}",  # 1.0 -> "1"
         VLLM_CPU_NUM_OF_RESERVED_CPU=str(cfg.reserved_cpus),
         VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "INFO"),
         TOKENIZERS_PARALLELISM="false",
@@ -164,10 +157,6 @@ def build_command(cfg: LaunchConfig, port: int) -> tuple[list[str], dict[str, st
     argv += list(cfg.extra_args)
     env.update(dict(cfg.extra_env))
     return argv, env
-
-
-def _gib_arg(gib: float) -> str:
-    return str(int(gib)) if float(gib).is_integer() else str(gib)
 
 
 class VLLMServer:

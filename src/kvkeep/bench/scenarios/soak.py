@@ -46,7 +46,7 @@ from typing import Any, NamedTuple
 import httpx
 
 from kvkeep.bench.context import RunContext
-from kvkeep.bench.criterion import DRIFT_TOL, TOP_ALTERNATIVES, same_as_cold
+from kvkeep.bench.criterion import DRIFT_TOL, TOP_ALTERNATIVES, Verdict, same_as_cold
 from kvkeep.bench.criterion import Reply as Judged
 from kvkeep.bench.deploy.vllm import VLLMServer
 from kvkeep.bench.http import agent_loop
@@ -92,11 +92,16 @@ class SoakScenario:
         print(f"soak: {spec.minutes} min of agents and faults", file=sys.stderr)
         t0 = time.monotonic()
         sampler = Sampler(ctx.cache, ctx.engine, spec.sample_every_s, t0)
-        faults = Faults(spec, ctx.cache, ctx.engine)
+        faults = Faults(spec, ctx.cache, ctx.engine, sampler)
         sampler.start()
-        faults.start(t0, sampler)
+        faults.start()
+        tally = Tally()
+
+        async def step(client: httpx.AsyncClient, a: int, turn: Turn) -> None:
+            await _turn(client, ctx.engine, a, turn, refs[(a, turn.index)], tally, t0)
+
         try:
-            tally = asyncio.run(judged_agents(ctx.engine, sessions, refs, t0 + spec.duration_s, t0))
+            asyncio.run(agent_loop(sessions, step, until=t0 + spec.duration_s))
         finally:
             faults.stop()
             sampler.stop()
@@ -113,16 +118,13 @@ class Reply(NamedTuple):
 
 
 class Result(NamedTuple):
+    """One judged turn: when it started (seconds into the run), how long it took, the reply
+    and the criterion's verdict on it."""
+
     t_s: float
-    agent: int
-    turn: int
     latency_s: float
-    prompt_tokens: int
-    cached_tokens: int
-    wrong: bool
-    logprob_diff: float
-    tokens_compared: int = 0
-    tie_broken: bool = False
+    reply: Reply
+    verdict: Verdict
 
 
 @dataclass
@@ -190,23 +192,6 @@ async def references(url: str, sessions: Sequence[Sequence[Turn]]) -> dict[tuple
     return out
 
 
-async def judged_agents(
-    engine: VLLMServer,
-    sessions: Sequence[Sequence[Turn]],
-    refs: dict[tuple[int, int], Reply],
-    until: float,
-    t0: float,
-) -> Tally:
-    """Every agent replays its session in a loop until ``until`` (monotonic)."""
-    tally = Tally()
-
-    async def step(client: httpx.AsyncClient, a: int, turn: Turn) -> None:
-        await _turn(client, engine, a, turn, refs[(a, turn.index)], tally, t0)
-
-    await agent_loop(sessions, step, until=until)
-    return tally
-
-
 async def _turn(
     client: httpx.AsyncClient,
     engine: VLLMServer,
@@ -241,10 +226,7 @@ async def _turn(
             tally.errors.append(f"agent {agent} turn {turn.index} at {start - t0:.1f} s: "
                                 f"{verdict.why}: {list(reply.judged.token_ids)} vs reference "
                                 f"{list(ref.judged.token_ids)}")  # fmt: skip
-        tally.results.append(Result(start - t0, agent, turn.index, time.monotonic() - start,
-                                    reply.prompt_tokens, reply.cached_tokens, not verdict.ok,
-                                    verdict.worst, verdict.compared,
-                                    verdict.ok and bool(verdict.why)))  # fmt: skip
+        tally.results.append(Result(start - t0, time.monotonic() - start, reply, verdict))
         return
 
 
@@ -290,8 +272,10 @@ def summarize(spec: SoakSpec, tally: Tally, faults: Faults, samples: Sequence[Sa
     last = samples[-1] if samples else Sample(0.0, None, 0, None, None, 0.0, 0.0, 0.0, 0.0)
     return SoakResult(
         spec, len(results), tally.failed, tally.lost_to_engine_restart,
-        sum(r.wrong for r in results), len(results), sum(r.tokens_compared for r in results),
-        sum(r.tie_broken for r in results), max((r.logprob_diff for r in results), default=0.0),
+        sum(not r.verdict for r in results), len(results),
+        sum(r.verdict.compared for r in results),
+        sum(r.verdict.ok and bool(r.verdict.why) for r in results),  # a tie broken
+        max((r.verdict.worst for r in results), default=0.0),
         faults.count("server_kill"), faults.count("engine_restart"),
         faults.count("corrupt_live"), faults.flipped, last.disk_checksum_failures,
         last.kvkeep_hit_blocks, last.loaded_tokens, last.load_failed_tokens,
@@ -305,8 +289,8 @@ def summarize(spec: SoakSpec, tally: Tally, faults: Faults, samples: Sequence[Sa
 
 
 def _fraction(results: Sequence[Result]) -> float:
-    prompt = sum(r.prompt_tokens for r in results)
-    return sum(r.cached_tokens for r in results) / prompt if prompt else 0.0
+    prompt = sum(r.reply.prompt_tokens for r in results)
+    return sum(r.reply.cached_tokens for r in results) / prompt if prompt else 0.0
 
 
 def _pct(results: Sequence[Result], q: float) -> float | None:
@@ -329,18 +313,15 @@ def hit_windows(
                 "t_s": round(lo, 1),
                 "requests": len(rows),
                 "cached_fraction": round(_fraction(rows), 4),
-                "kvkeep_hit_blocks": _delta(samples, lo, hi),
+                "kvkeep_hit_blocks": _hits_before(samples, hi) - _hits_before(samples, lo),
             }
         )
     return out
 
 
-def _delta(samples: Sequence[Sample], lo: float, hi: float) -> float:
-    inside = [s.kvkeep_hit_blocks for s in samples if lo <= s.t_s < hi]
-    before = [s.kvkeep_hit_blocks for s in samples if s.t_s < lo]
-    if not inside:
-        return 0.0
-    return inside[-1] - (before[-1] if before else 0.0)
+def _hits_before(samples: Sequence[Sample], t: float) -> float:
+    """kvkeep's hit blocks as last sampled before ``t``: a running total, so the largest."""
+    return max((s.kvkeep_hit_blocks for s in samples if s.t_s < t), default=0.0)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
