@@ -240,7 +240,7 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
 
 
 PROFILE_OPS = ("match", "lookup_rpc", "plan", "acquire_rpc", "verify", "copy_in",
-               "release_rpc", "reserve_rpc", "copy_out", "checksum", "commit_rpc",
+               "release_rpc", "copy_out", "reserve_rpc", "slot_copy", "checksum", "commit_rpc",
                "load", "save")  # fmt: skip
 
 
