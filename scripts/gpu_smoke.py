@@ -76,6 +76,11 @@ def smoke(model: str, timeout_s: float = 300) -> dict[str, Any]:
             shutil.rmtree(work, ignore_errors=True)
 
 
+def _start(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    with open(log, "wb") as out:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
 def _run(
     model: str, work: Path, procs: list[subprocess.Popen[bytes]], deadline: float
 ) -> dict[str, Any]:
@@ -91,22 +96,19 @@ def _run(
         "2GiB",
     ]
     (work / "cache").mkdir()
-    procs.append(
-        subprocess.Popen(server, stdout=open(work / "cache.log", "wb"), stderr=subprocess.STDOUT)
-    )
+    procs.append(_start(server, work / "cache.log"))
     while not os.path.exists(sock) and time.monotonic() < deadline:
         time.sleep(0.2)
     port = _free_port()
-    transfer = {"kv_connector": "KVKeepConnector", "kv_connector_module_path": "kvkeep.vllm.connector",
-                "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+    transfer = {"kv_connector": "KVKeepConnector",
+                "kv_connector_module_path": "kvkeep.vllm.connector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": {"socket": sock, "timeout_s": 2.0}}  # fmt: skip
     vllm = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
             "--port", str(port), "--host", "127.0.0.1", "--max-model-len", "4096",
             "--gpu-memory-utilization", "0.3", "--enforce-eager",
             "--kv-transfer-config", json.dumps(transfer)]  # fmt: skip
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
-    log = open(work / "vllm.log", "wb")
-    procs.append(subprocess.Popen(vllm, stdout=log, stderr=subprocess.STDOUT, env=env))
+    procs.append(_start(vllm, work / "vllm.log", env))
     base = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
     _wait(f"{base}/health", procs[-1], deadline)
