@@ -101,7 +101,8 @@ def _run(
         time.sleep(0.2)
     port = _free_port()
     transfer = {"kv_connector": "KVKeepConnector",
-                "kv_connector_module_path": "kvkeep.vllm.connector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                "kv_connector_module_path": "kvkeep.vllm.connector", "kv_role": "kv_both",
+                "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": {"socket": sock, "timeout_s": 2.0}}  # fmt: skip
     vllm = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
             "--port", str(port), "--host", "127.0.0.1", "--max-model-len", "4096",
