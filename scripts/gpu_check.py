@@ -94,6 +94,7 @@ def layout_figures(
            "round_trip_exact": bool(torch.equal(check, rows))}  # fmt: skip
     if old:
         out["old_loop_save_gbps"] = nbytes / timed(lambda: old_save(kv, ids, slots), 3, sync) / 1e9
+        out["old_loop_load_gbps"] = nbytes / timed(lambda: old_load(kv, ids, slots), 3, sync) / 1e9
     return out
 
 
@@ -104,6 +105,15 @@ def old_save(kv: KVLayout, ids: torch.Tensor, slots: list[np.ndarray]) -> None:
         for i, layer in enumerate(kv._layers):
             page = flat[i * kv.page_bytes : (i + 1) * kv.page_bytes]
             page.view(kv.dtype).view(kv.page_shape).copy_(layer.view[b])
+
+
+def old_load(kv: KVLayout, ids: torch.Tensor, slots: list[np.ndarray]) -> None:
+    """Loads before issue 13: per block, per layer, one synchronous ``copy_``."""
+    for j, b in enumerate(ids.tolist()):
+        flat = torch.from_numpy(slots[j])
+        for i, layer in enumerate(kv._layers):
+            page = flat[i * kv.page_bytes : (i + 1) * kv.page_bytes]
+            layer.view[b].copy_(page.view(kv.dtype).view(kv.page_shape))
 
 
 def main(argv: list[str]) -> int:
