@@ -16,7 +16,7 @@ import torch
 from kvkeep.keys import BlockKey, Namespace, chain_keys
 from kvkeep.server.client import KVKeepClient, Session
 from kvkeep.vllm.layout import KVLayout, LayoutDescription
-from kvkeep.vllm.saver import Saver
+from kvkeep.vllm.saver import Saver, staging_shape
 from kvkeep.vllm.scheduling import BlockTransfer, Counters
 from serverproc import Server, stop_all
 
@@ -48,10 +48,12 @@ def block_bytes(layout: KVLayout, block_id: int) -> bytes:
     return out.tobytes()
 
 
-def make_saver(srv: Server, layout: KVLayout, staging: int = 1 << 20, timeout: float = 2.0):
+def make_saver(
+    srv: Server, layout: KVLayout, shape: tuple[int, int] = (4, 8), timeout: float = 2.0
+) -> tuple[Saver, Counters]:
     counters = Counters()
     client = KVKeepClient(srv.socket, timeout_s=timeout)
-    saver = Saver(client, layout, counters.add, counters.timed, staging)
+    saver = Saver(client, layout, counters.add, counters.timed, shape)
     return saver, counters
 
 
@@ -90,7 +92,7 @@ def test_staged_blocks_arrive_under_their_keys_with_their_bytes(server: Server) 
 
 def test_a_dead_server_costs_saves_only_and_frees_the_staging(server: Server) -> None:
     layout = engine()
-    saver, counters = make_saver(server, layout, staging=2 * layout.block_bytes)
+    saver, counters = make_saver(server, layout, shape=(2, 1))
     session = KVKeepClient.session(NS, layout.block_bytes)
     server.kill()
     for round_ in range(6):  # more rounds than staging buffers: each one came back
@@ -106,7 +108,7 @@ def test_a_stalled_server_never_stalls_the_step(server: Server) -> None:
     """With the server stopped, RESERVE waits for its timeout in the background; the step
     goes on, and skips (counts) saves once every staging buffer is in flight."""
     layout = engine()
-    saver, counters = make_saver(server, layout, staging=1, timeout=1.0)  # 2 buffers
+    saver, counters = make_saver(server, layout, shape=(2, 1), timeout=1.0)
     session = KVKeepClient.session(NS, layout.block_bytes)
     os.kill(server.pid, signal.SIGSTOP)
     try:
@@ -119,3 +121,12 @@ def test_a_stalled_server_never_stalls_the_step(server: Server) -> None:
     finally:
         os.kill(server.pid, signal.SIGCONT)
     saver.shutdown()
+
+
+def test_staging_holds_two_steps_by_default_and_splits_a_small_budget() -> None:
+    mib = 1 << 20
+    assert staging_shape(100, mib, None) == (2, 100)  # two full steps of 1 MiB blocks
+    assert staging_shape(10, mib, None) == (6, 10)  # at least 64 MiB
+    assert staging_shape(100, mib, 8 * mib) == (2, 4)  # a small budget: more, smaller jobs
+    assert staging_shape(100, 16 * mib, 1) == (2, 1)
+    assert staging_shape(768, 2 * mib, None) == (2, 256)  # capped at 1 GiB (pinned on CUDA)

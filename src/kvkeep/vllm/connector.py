@@ -104,7 +104,7 @@ class KVKeepConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(vllm_config, kv_cache_config, client)
         else:
-            staging = int(config.staging_mib * (1 << 20))
+            staging = None if config.staging_mib is None else int(config.staging_mib * (1 << 20))
             self._worker = WorkerSide(vllm_config, kv_cache_config, client, config.audit, staging)
 
     @property

@@ -43,7 +43,19 @@ from kvkeep.vllm.transfer import Mover, Wait
 
 log = logging.getLogger("vllm.kvkeep")
 
-CHUNK_BYTES = 16 << 20  # one staging buffer: a step's blocks fill one or more of these
+MIN_STAGING_BYTES = 64 << 20
+MAX_AUTO_STAGING_BYTES = 1 << 30  # pinned memory on CUDA: a bigger budget is asked for, not taken
+
+
+def staging_shape(step_blocks: int, block_bytes: int, staging_bytes: int | None) -> tuple[int, int]:
+    """(buffers, rows per buffer) of the staging memory: at least two buffers, each one
+    step's blocks where the budget allows. ``staging_bytes`` None: two full steps, within
+    [64 MiB, 1 GiB]."""
+    if staging_bytes is None:
+        two_steps = 2 * step_blocks * block_bytes
+        staging_bytes = max(MIN_STAGING_BYTES, min(MAX_AUTO_STAGING_BYTES, two_steps))
+    rows = max(1, min(step_blocks, staging_bytes // (2 * block_bytes)))
+    return max(2, staging_bytes // (rows * block_bytes)), rows
 
 
 class _Job(NamedTuple):
@@ -70,14 +82,14 @@ class Saver:
         layout: KVLayout,
         count: Count,
         timed: Timed,
-        staging_bytes: int,
+        shape: tuple[int, int],
         mover: Mover | None = None,
     ) -> None:
+        """``shape``: (buffers, rows per buffer) of the staging memory (``staging_shape``)."""
         self.client, self.layout = client, layout
         self._count, self._timed = count, timed
         self.mover = mover or Mover()
-        self.rows_per_buffer = max(1, CHUNK_BYTES // layout.block_bytes)
-        buffers = max(2, staging_bytes // (self.rows_per_buffer * layout.block_bytes))
+        buffers, self.rows_per_buffer = shape
         self._free: queue.Queue[torch.Tensor] = queue.Queue()
         for _ in range(buffers):
             self._free.put(self.mover.host_buffer(self.rows_per_buffer, layout.block_bytes))

@@ -54,7 +54,8 @@ class ConnectorConfig:
     timeout_s: float = 1.0
     max_backoff_s: float = 5.0
     audit: bool = False  # debug: compare blocks vLLM computes again with their stored copy
-    staging_mib: float = 64.0  # host memory per worker for saves on their way to the server
+    # host memory per worker for saves on their way to the server; None: two full steps
+    staging_mib: float | None = None
 
     def __post_init__(self) -> None:
         if not self.socket:
@@ -63,7 +64,7 @@ class ConnectorConfig:
             raise ValueError(f"timeout_s must lie in (0, 60] seconds, got {self.timeout_s}")
         if not 0 < self.max_backoff_s <= 600:
             raise ValueError(f"max_backoff_s must lie in (0, 600], got {self.max_backoff_s}")
-        if not 1 <= self.staging_mib <= 65536:
+        if self.staging_mib is not None and not 1 <= self.staging_mib <= 65536:
             raise ValueError(f"staging_mib must lie in [1, 65536] MiB, got {self.staging_mib}")
 
     @classmethod

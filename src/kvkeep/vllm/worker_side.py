@@ -20,7 +20,7 @@ from kvkeep.keys import BlockKey
 from kvkeep.server.client import CacheUnavailable, KVKeepClient, Session, SlotRef
 from kvkeep.vllm import compat, cuda
 from kvkeep.vllm.layout import KVLayout
-from kvkeep.vllm.saver import Saver
+from kvkeep.vllm.saver import Saver, staging_shape
 from kvkeep.vllm.scheduling import (
     Counters,
     RequestLoad,
@@ -61,7 +61,7 @@ class WorkerSide:
         kv_cache_config: Any,
         client: KVKeepClient,
         audit: bool = False,
-        staging_bytes: int = 64 << 20,
+        staging_bytes: int | None = None,
     ) -> None:
         self.vllm_config, self.kv_cache_config = vllm_config, kv_cache_config
         self.client = client
@@ -83,22 +83,21 @@ class WorkerSide:
         description = compat.layout_description(self.vllm_config, self.kv_cache_config)
         self.layout = KVLayout.build(description, kv_caches)
         self.mover = cuda.mover_for(self.layout)
+        steps = compat.step_blocks(self.vllm_config, description.block_size)
+        shape = staging_shape(steps, self.layout.block_bytes, self.staging_bytes)
         self.saver = Saver(
-            self.client.sibling(),
-            self.layout,
-            self._count,
-            self._timed,
-            self.staging_bytes,
-            self.mover,
+            self.client.sibling(), self.layout, self._count, self._timed, shape, self.mover
         )
         log.info(
-            "kvkeep: %d layers, %s pages of %d bytes (%s), %d-byte blocks, %s copies",
+            "kvkeep: %d layers, %s pages of %d bytes (%s), %d-byte blocks, %s copies, "
+            "staging %d x %d blocks",
             self.layout.num_layers,
             description.layout,
             self.layout.page_bytes,
             self.layout.dtype,
             self.layout.block_bytes,
             "fused" if self.layout.fused else "per-layer",
+            *shape,
         )
 
     def _session(self, plan: StepPlan) -> Session:
