@@ -27,6 +27,7 @@ from kvkeep.bench import report, suite
 from kvkeep.bench.context import Setup
 from kvkeep.bench.deploy.cache import CacheSpec
 from kvkeep.bench.deploy.vllm import MODES, LaunchConfig
+from kvkeep.bench.report import tables
 from kvkeep.bench.report.environment import environment
 from kvkeep.bench.scenario import Scenario
 from kvkeep.bench.scenarios import agents, capacity, hol, restart, session, soak, store, ttft
@@ -109,6 +110,11 @@ def parser(name: str) -> argparse.ArgumentParser:
         p.add_argument("--num-blocks", type=int, help="--num-gpu-blocks-override for vLLM")
         p.add_argument("--max-num-batched-tokens", type=int, help="vLLM's chunked-prefill budget")
         p.add_argument("--out", type=Path, help="write results.json, report.md and PNG plots here")
+        p.add_argument(
+            "--profile",
+            action="store_true",
+            help="record and print the connector's seconds per phase (vllm:kvkeep_seconds_total)",
+        )
     if cmd.module is not None:
         cmd.module.add_args(p)
     else:  # bench all
@@ -129,7 +135,7 @@ def main(argv: list[str]) -> int:
         return 2
     t0 = time.monotonic()
     args.modes = _modes(args.modes, scenarios)
-    results = suite.run_modes(scenarios, args.modes, setup)
+    results = suite.run_modes(scenarios, args.modes, setup, getattr(args, "profile", False))
     env = environment(getattr(args, "model", None))
     output = COMMANDS[name].output
     if output is not None:  # one scenario in one mode
@@ -217,6 +223,8 @@ def write(doc: dict[str, Any], args: argparse.Namespace, name: str) -> int:
     """Print the tables; --json: the JSON alone; --out: JSON, report.md, report.html and
     plots. 1 if a scenario failed, else 0."""
     print(report.markdown(doc))
+    if getattr(args, "profile", False):
+        print(tables.profile_table(doc))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=2) + "\n")

@@ -73,6 +73,20 @@ def kvkeep_tokens(url: str) -> dict[str, float]:
     return out
 
 
+def kvkeep_profile(urls: Sequence[str]) -> dict[str, float]:
+    """Seconds per connector phase (`vllm:kvkeep_seconds_total` by op, summed over ``urls``)
+    and ``requests`` (`vllm:request_success_total`); empty phases when the connector is off."""
+    out: dict[str, float] = {}
+    for url in urls:
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+        for name, labels, value in samples(text):
+            if name == "vllm:kvkeep_seconds_total" and "op" in labels:
+                out[labels["op"]] = out.get(labels["op"], 0.0) + value
+            elif name == "vllm:request_success_total":
+                out["requests"] = out.get("requests", 0.0) + value
+    return out
+
+
 def metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """Counter increase between two scrapes."""
     return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}

