@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,10 +165,52 @@ def _tail(path: Path, lines: int = 20) -> str:
 # --- the command ----------------------------------------------------------------------------
 
 
+# What `kvkeep serve` adds to vLLM's arguments unless the user gives the flag (or its
+# ``--no-`` form) after ``--``. The threshold caps what one long prefill takes per step when
+# another request waits, so a cached request is not held behind a cold prefill; the README's
+# "Head-of-line blocking" section has the sweep these values come from. The last flag makes the
+# OpenAI usage report ``cached_tokens``, kvkeep's hits included.
+SCHEDULING_DEFAULTS: tuple[tuple[str, str | None], ...] = (
+    ("--long-prefill-token-threshold", "512"),
+    ("--enable-prompt-tokens-details", None),
+)
+
+
+def flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value of the last ``flag V`` or ``flag=V`` in ``args`` ('' for a bare flag, None
+    when absent). Pure."""
+    found: str | None = None
+    for i, arg in enumerate(args):
+        if arg == flag:
+            nxt = args[i + 1] if i + 1 < len(args) else ""
+            found = "" if nxt.startswith("--") else nxt
+        elif arg.startswith(flag + "="):
+            found = arg.partition("=")[2]
+    return found
+
+
+def given(args: Sequence[str], flag: str) -> bool:
+    """Whether ``args`` set ``flag`` either way (``--x``, ``--x=V``, ``--no-x``). Pure."""
+    negated = "--no-" + flag.removeprefix("--")
+    return flag_value(args, flag) is not None or flag_value(args, negated) is not None
+
+
+def with_defaults(
+    args: Sequence[str], defaults: Sequence[tuple[str, str | None]] = SCHEDULING_DEFAULTS
+) -> list[str]:
+    """``args`` plus each default flag they do not set themselves (theirs win). Pure."""
+    out = list(args)
+    for flag, value in defaults:
+        if not given(args, flag):
+            out += [flag] if value is None else [flag, value]
+    return out
+
+
 def vllm_command(model: str, socket_path: str, vllm_args: list[str]) -> list[str]:
-    """vLLM's OpenAI server with the connector configured, plus the user's arguments. Pure."""
+    """vLLM's OpenAI server with the connector configured, plus the user's arguments and the
+    defaults they leave unset. Pure."""
     base = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
-    return base + kv_transfer_args(socket_path) + vllm_args
+    return base + kv_transfer_args(socket_path) + with_defaults(vllm_args)
 
 
 def parser() -> argparse.ArgumentParser:
