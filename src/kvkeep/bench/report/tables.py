@@ -126,11 +126,15 @@ def _agents_title(doc: dict[str, Any]) -> str:
 def hol_table(doc: dict[str, Any]) -> str:
     rows = [
         [m, _s(r["ttft_alone_s"]), _s(r["ttft_beside_prefill_s"]), _x(r.get("ratio")),
-         str(r.get("max_num_batched_tokens") or "default")]
+         _s(r.get("long_prefill_alone_s")), _s(r.get("long_prefill_ttft_s")),
+         _x(r.get("long_prefill_ratio")), str(r.get("max_num_batched_tokens") or "default"),
+         str(r.get("long_prefill_token_threshold") or "none")]
         for m, r in doc["modes"].items()
     ]  # fmt: skip
     head = "### S6: a cached request alone and beside a large uncached prefill\n\n"
-    return head + _table(["mode", "alone", "beside prefill", "ratio", "prefill budget"], rows)
+    header = ["mode", "cached alone", "beside prefill", "ratio", "prefill alone",
+              "beside cached", "ratio", "prefill budget", "long-prefill threshold"]  # fmt: skip
+    return head + _table(header, rows)
 
 
 def restart_table(doc: dict[str, Any]) -> str:
@@ -195,6 +199,8 @@ def claims_table(doc: dict[str, Any]) -> str:
          lambda m: _s(_get(doc, "agents", m, "late_turn_wait_s"))),
         ("S6 cached TTFT beside a big prefill / alone", "'still waits'",
          lambda m: _x(_get(doc, "hol", m, "ratio"))),
+        ("S6 the big prefill's TTFT beside it / alone", "(not measured)",
+         lambda m: _x(_get(doc, "hol", m, "long_prefill_ratio"))),
     ]  # fmt: skip
     rows = [[claim, study, *(fmt(m) for m in modes)] for claim, study, fmt in rows_spec]
     head = "## The study's claims, measured side by side\n\n"

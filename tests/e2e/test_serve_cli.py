@@ -1,0 +1,71 @@
+"""`kvkeep serve MODEL -- --port P` as the README has it on CPU: no memory flags, no
+environment. It starts (choosing vLLM's KV pool beside the RAM tier), answers a chat through
+the ``openai`` client, and on Ctrl-C stops everything it started: no process is left."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from kvkeep.bench.deploy.vllm import free_port
+from kvkeep.serve import socket_listening
+
+pytestmark = pytest.mark.e2e
+
+
+def wait_ready(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "kvkeep serve exited:\n" + log.read_text()[-3000:]
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise AssertionError("kvkeep serve did not become ready:\n" + log.read_text()[-3000:])
+
+
+def test_serve_as_written_answers_a_chat_and_ctrl_c_leaves_nothing(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    directory = Path(tempfile.mkdtemp(prefix="kvks-"))  # short: a unix socket path
+    port, log = free_port(), tmp_path / "serve.log"
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    argv = [sys.executable, "-m", "kvkeep.cli", "serve", str(tiny_model), "--dir", str(directory),
+            "--", "--port", str(port)]  # fmt: skip
+    with open(log, "wb") as out:  # its own group, as a shell's foreground job is
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+    try:
+        wait_ready(proc, f"http://127.0.0.1:{port}", log)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) >= 3  # the cache server, vLLM's API server, its EngineCore...
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
+        model = client.models.list().data[0].id
+        reply = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=4
+        )
+        assert reply.choices[0].message.content is not None
+        assert reply.usage and reply.usage.prompt_tokens_details is not None  # serve's flag
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends to the foreground job
+        assert proc.wait(timeout=60) == 130
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = log.read_text()
+    assert "vLLM KV pool" in text and "chosen by kvkeep serve" in text, text[-3000:]
+    alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"left behind: {[(c.pid, c.cmdline()[:4]) for c in alive]}"
+    assert not socket_listening(str(directory / "kvkeep.sock"))
