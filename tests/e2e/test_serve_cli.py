@@ -4,6 +4,7 @@ the ``openai`` client, and on Ctrl-C stops everything it started: no process is 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -36,6 +37,23 @@ def wait_ready(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
     raise AssertionError("kvkeep serve did not become ready:\n" + log.read_text()[-3000:])
 
 
+def _as_in_a_terminal() -> None:
+    """Ctrl-C's default action: a job started in the background of a script (as this test
+    may be) inherits SIGINT ignored, which a terminal's foreground job does not."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _kill_left_behind(proc: subprocess.Popen[bytes], children: list[psutil.Process]) -> None:
+    """After a failure: SIGKILL serve and what it started (each a group leader), by PID."""
+    for p in [psutil.Process(proc.pid), *children] if proc.poll() is None else children:
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if os.getpgid(p.pid) == p.pid:
+                os.killpg(p.pid, signal.SIGKILL)
+            else:
+                p.kill()
+    proc.wait()
+
+
 def test_serve_as_written_answers_a_chat_and_ctrl_c_leaves_nothing(
     tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -46,10 +64,11 @@ def test_serve_as_written_answers_a_chat_and_ctrl_c_leaves_nothing(
             "--", "--port", str(port)]  # fmt: skip
     with open(log, "wb") as out:  # its own group, as a shell's foreground job is
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+                                start_new_session=True, preexec_fn=_as_in_a_terminal)  # fmt: skip
+    children: list[psutil.Process] = []
     try:
         wait_ready(proc, f"http://127.0.0.1:{port}", log)
-        children = psutil.Process(proc.pid).children(recursive=True)
+        children += psutil.Process(proc.pid).children(recursive=True)
         assert len(children) >= 3  # the cache server, vLLM's API server, its EngineCore...
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
         model = client.models.list().data[0].id
@@ -61,9 +80,7 @@ def test_serve_as_written_answers_a_chat_and_ctrl_c_leaves_nothing(
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends to the foreground job
         assert proc.wait(timeout=60) == 130
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _kill_left_behind(proc, children)
     text = log.read_text()
     assert "vLLM KV pool" in text and "chosen by kvkeep serve" in text, text[-3000:]
     alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
