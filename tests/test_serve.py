@@ -14,9 +14,11 @@ import pytest
 from kvkeep import serve
 from kvkeep.installed_vllm import InstalledVLLM
 from kvkeep.serve import (
+    CPU_SCHEDULING,
     CacheServerConfig,
     CacheServerProcess,
     main,
+    serve_defaults,
     socket_listening,
     split_args,
     with_defaults,
@@ -42,8 +44,8 @@ def test_dry_run_prints_the_server_and_vllm_commands(
     assert server[-8:] == ["--dir", str(tmp_path), "--ram", "2GiB", "--disk", "0",
                            "--socket", str(tmp_path / "kvkeep.sock")]  # fmt: skip
     assert engine[engine.index("--model") + 1] == "my/model"
-    assert engine[-5:] == ["--port", "8123", "--long-prefill-token-threshold", "512",
-                           "--enable-prompt-tokens-details"]  # fmt: skip
+    assert engine[engine.index("--port") :] == ["--port", "8123", *_flat(CPU_SCHEDULING),
+                                               "--enable-prompt-tokens-details"]  # fmt: skip
     config = json.loads(engine[engine.index("--kv-transfer-config") + 1])
     assert config["kv_connector"] == "KVKeepConnector"
     assert config["kv_connector_module_path"] == "kvkeep.vllm.connector"
@@ -86,12 +88,24 @@ def _engine_line(out: str) -> list[str]:
     return shlex.split([ln for ln in out.splitlines() if not ln.startswith("#")][1])
 
 
+def _flat(flags: tuple[tuple[str, str | None], ...]) -> list[str]:
+    return [w for flag, value in flags for w in (flag, value) if w is not None]
+
+
 def test_the_users_scheduling_flags_win_over_serves_defaults() -> None:
-    assert with_defaults(["--long-prefill-token-threshold=64"]) == [
-        "--long-prefill-token-threshold=64", "--enable-prompt-tokens-details"]  # fmt: skip
-    assert with_defaults(["--no-enable-prompt-tokens-details", "--long-prefill-token-threshold",
-                          "0"]) == ["--no-enable-prompt-tokens-details",
-                                    "--long-prefill-token-threshold", "0"]  # fmt: skip
+    cpu = serve_defaults(cpu=True)
+    assert with_defaults(["--long-prefill-token-threshold=64"], cpu) == [
+        "--long-prefill-token-threshold=64", "--max-num-batched-tokens",
+        dict(cpu)["--max-num-batched-tokens"], "--enable-prompt-tokens-details"]  # fmt: skip
+    mine = ["--no-enable-prompt-tokens-details", "--long-prefill-token-threshold", "0",
+            "--max-num-batched-tokens", "8192"]  # fmt: skip
+    assert with_defaults(mine, cpu) == mine
+
+
+def test_on_cuda_only_the_cap_is_set() -> None:
+    flags = with_defaults([], serve_defaults(cpu=False))
+    assert "--max-num-batched-tokens" not in flags
+    assert flags[:1] == ["--long-prefill-token-threshold"]
 
 
 def test_on_vllm_cpu_serve_sizes_the_kv_pool_beside_the_ram_tier(

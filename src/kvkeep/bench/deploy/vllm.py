@@ -40,7 +40,7 @@ import httpx
 
 from kvkeep.bench.deploy import exit_on_sigterm
 from kvkeep.bench.deploy.cache import CacheServer
-from kvkeep.serve import kv_transfer_args, stop_process_group, with_defaults
+from kvkeep.serve import kv_transfer_args, serve_defaults, stop_process_group, with_defaults
 
 SERVED_MODEL_NAME = "kvkeep-tiny"
 LOG_TAIL_LINES = 30
@@ -77,7 +77,8 @@ class LaunchConfig:
     max_model_len: int = 32768
     max_num_batched_tokens: int | None = None
     # vLLM's --long-prefill-token-threshold; 0 is vLLM's default (no cap). None: the mode's
-    # default, which in mode kvkeep is `kvkeep serve`'s (serve.SCHEDULING_DEFAULTS).
+    # default, which in mode kvkeep is `kvkeep serve`'s (serve.CPU_SCHEDULING), as is the
+    # budget when max_num_batched_tokens is None.
     long_prefill_token_threshold: int | None = None
     reserved_cpus: int = 0
     log_dir: Path = Path(".cache/logs")
@@ -173,7 +174,7 @@ def build_command(cfg: LaunchConfig, port: int) -> tuple[list[str], dict[str, st
         argv += kv_transfer_args(cfg.cache_socket, audit=cfg.cache_audit)
     argv += list(cfg.extra_args)
     if cfg.mode == "kvkeep":  # what `kvkeep serve` runs, where the config leaves it open
-        argv = with_defaults(argv)
+        argv = with_defaults(argv, serve_defaults(cpu=True))  # this launcher runs vLLM-cpu
     env.update(dict(cfg.extra_env))
     return argv, env
 
