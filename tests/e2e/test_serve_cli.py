@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -79,10 +80,11 @@ def test_serve_as_written_answers_a_chat_and_ctrl_c_leaves_nothing(
         assert reply.usage and reply.usage.prompt_tokens_details is not None  # serve's flag
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends to the foreground job
         assert proc.wait(timeout=60) == 130
-    finally:
+        assert not socket_listening(str(directory / "kvkeep.sock"))
+        alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+        assert not alive, f"left behind: {[(c.pid, c.cmdline()[:4]) for c in alive]}"
+    finally:  # after a failure only: what is still running is killed, by PID
         _kill_left_behind(proc, children)
+        shutil.rmtree(directory, ignore_errors=True)
     text = log.read_text()
     assert "vLLM KV pool" in text and "chosen by kvkeep serve" in text, text[-3000:]
-    alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
-    assert not alive, f"left behind: {[(c.pid, c.cmdline()[:4]) for c in alive]}"
-    assert not socket_listening(str(directory / "kvkeep.sock"))
