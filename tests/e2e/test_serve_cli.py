@@ -45,13 +45,17 @@ def _as_in_a_terminal() -> None:
 
 
 def _kill_left_behind(proc: subprocess.Popen[bytes], children: list[psutil.Process]) -> None:
-    """After a failure: SIGKILL serve and what it started (each a group leader), by PID."""
-    for p in [psutil.Process(proc.pid), *children] if proc.poll() is None else children:
-        with contextlib.suppress(psutil.Error, ProcessLookupError):
-            if os.getpgid(p.pid) == p.pid:
-                os.killpg(p.pid, signal.SIGKILL)
-            else:
-                p.kill()
+    """After a failure: stop serve and what it started (each leads its own group), by PID.
+    SIGTERM first, so that a cache server removes its shared-memory arena; then SIGKILL."""
+    procs = [psutil.Process(proc.pid), *children] if proc.poll() is None else children
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in procs:
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                if os.getpgid(p.pid) == p.pid:
+                    os.killpg(p.pid, sig)
+                else:
+                    p.send_signal(sig)
+        procs = psutil.wait_procs(procs, timeout=20)[1]
     proc.wait()
 
 
