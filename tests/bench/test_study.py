@@ -107,7 +107,9 @@ def test_all_report_has_a_row_per_claim_and_a_self_contained_page(tmp_path: Path
                         "restart_ready_s": 26.0, "cold_ttft_s": 1.0, "warm_ttft_s": 0.05},
             "agents": {"turns_per_min": 60.0 * hit + 8, "late_turn_wait_s": 2.0,
                        "mean_wait_s": 1.0, "cached_fraction": hit, "working_set_over_pool": 3.0},
-            "hol": {"ttft_alone_s": 0.05, "ttft_beside_prefill_s": 0.5, "ratio": 10.0},
+            "hol": {"ttft_alone_s": 0.05, "ttft_beside_prefill_s": 0.5, "ratio": 10.0,
+                    "long_prefill_ttft_s": 2.2, "long_prefill_alone_s": 2.0,
+                    "long_prefill_ratio": 1.1, "long_prefill_token_threshold": 512},
         }  # fmt: skip
 
     modes = {"vllm": mode(0.0), "kvkeep": mode(1.0)}
@@ -121,6 +123,8 @@ def test_all_report_has_a_row_per_claim_and_a_self_contained_page(tmp_path: Path
     md = (tmp_path / "report.md").read_text()
     assert "| S3 hit rate, all tiers | >99% (offload) | 0.0% | 100.0% |" in md
     assert "| S5 turns/min, agents > pool | ~8 -> ~60 | 8.0 | 68.0 |" in md
+    assert "| S6 the big prefill's TTFT beside it / alone | (not measured) | 1.1x | 1.1x |" in md
+    assert "| 2.000 s | 2.200 s | 1.1x | default | 512 |" in md  # S6's own table
     page = (tmp_path / "report.html").read_text()
     assert page.count("data:image/png;base64,") == sum(p.suffix == ".png" for p in paths) >= 3
     assert "<td>S4 hit rate after vLLM restart</td>" in page

