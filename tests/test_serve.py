@@ -5,12 +5,24 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from kvkeep.serve import CacheServerConfig, CacheServerProcess, main, socket_listening, split_args
+from kvkeep import serve
+from kvkeep.installed_vllm import InstalledVLLM
+from kvkeep.serve import (
+    CPU_SCHEDULING,
+    CacheServerConfig,
+    CacheServerProcess,
+    main,
+    serve_defaults,
+    socket_listening,
+    split_args,
+    with_defaults,
+)
 
 
 def test_split_args_hands_everything_after_the_separator_to_vllm() -> None:
@@ -32,7 +44,8 @@ def test_dry_run_prints_the_server_and_vllm_commands(
     assert server[-8:] == ["--dir", str(tmp_path), "--ram", "2GiB", "--disk", "0",
                            "--socket", str(tmp_path / "kvkeep.sock")]  # fmt: skip
     assert engine[engine.index("--model") + 1] == "my/model"
-    assert engine[-2:] == ["--port", "8123"]
+    assert engine[engine.index("--port") :] == ["--port", "8123", *_flat(CPU_SCHEDULING),
+                                               "--enable-prompt-tokens-details"]  # fmt: skip
     config = json.loads(engine[engine.index("--kv-transfer-config") + 1])
     assert config["kv_connector"] == "KVKeepConnector"
     assert config["kv_connector_module_path"] == "kvkeep.vllm.connector"
@@ -69,3 +82,80 @@ def test_a_listening_server_is_reused_and_left_running() -> None:
         first.stop()
         shutil.rmtree(directory, ignore_errors=True)
     assert not socket_listening(cfg.socket_path)
+
+
+def _engine_line(out: str) -> list[str]:
+    return shlex.split([ln for ln in out.splitlines() if not ln.startswith("#")][1])
+
+
+def _flat(flags: tuple[tuple[str, str | None], ...]) -> list[str]:
+    return [w for flag, value in flags for w in (flag, value) if w is not None]
+
+
+def test_the_users_scheduling_flags_win_over_serves_defaults() -> None:
+    cpu = serve_defaults(cpu=True)
+    assert with_defaults(["--long-prefill-token-threshold=64"], cpu) == [
+        "--long-prefill-token-threshold=64", "--max-num-batched-tokens",
+        dict(cpu)["--max-num-batched-tokens"], "--enable-prompt-tokens-details"]  # fmt: skip
+    mine = ["--no-enable-prompt-tokens-details", "--long-prefill-token-threshold", "0",
+            "--max-num-batched-tokens", "8192"]  # fmt: skip
+    assert with_defaults(mine, cpu) == mine
+
+
+def test_on_cuda_only_the_cap_is_set() -> None:
+    flags = with_defaults([], serve_defaults(cpu=False))
+    assert "--max-num-batched-tokens" not in flags
+    assert flags[:1] == ["--long-prefill-token-threshold"]
+
+
+def test_on_vllm_cpu_serve_sizes_the_kv_pool_beside_the_ram_tier(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    assert main(["m", "--dir", str(tmp_path), "--ram", "1GiB", "--dry-run"]) == 0
+    out, err = capsys.readouterr()
+    gib = int(_engine_line(out)[0].removeprefix("VLLM_CPU_KVCACHE_SPACE="))
+    assert gib >= 1
+    assert f"RAM tier 1 GiB, vLLM KV pool {gib} GiB (chosen by kvkeep serve" in err
+
+
+def test_a_ram_tier_too_big_for_the_machine_is_refused_with_what_to_change(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    assert main(["m", "--dir", str(tmp_path), "--ram", "64TiB", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "no room for a KV pool" in err and "RAM tier 64 TiB" in err and "--ram" in err
+
+
+def test_the_users_pool_is_kept_and_checked(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    assert main(["m", "--dir", str(tmp_path), "--ram", "64MiB", "--dry-run"]) == 0
+    out, err = capsys.readouterr()
+    assert _engine_line(out)[0] == sys.executable  # no variable of ours in front
+    assert "vLLM KV pool 1 GiB (yours" in err
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "65536")
+    assert main(["m", "--dir", str(tmp_path), "--ram", "64MiB", "--dry-run"]) == 2
+    assert "a KV pool of 65536 GiB does not fit" in capsys.readouterr().err
+
+
+def test_gpu_memory_utilization_leaves_the_pool_to_vllm(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    argv = ["m", "--dir", str(tmp_path), "--dry-run", "--", "--gpu-memory-utilization", "0.5"]
+    assert main(argv) == 0
+    assert _engine_line(capsys.readouterr().out)[0] == sys.executable
+
+
+def test_a_vllm_outside_the_supported_versions_is_refused_plainly(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Installing a second vLLM to see this is not possible here; the version is what changes.
+    monkeypatch.setattr(serve, "installed_vllm", lambda: InstalledVLLM("vllm", "0.33.0"))
+    assert main(["m", "--dir", str(tmp_path), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "kvkeep serve: vllm 0.33.0 is installed" in err and "Traceback" not in err
+    assert main(["m", "--dir", str(tmp_path), "--dry-run", "--skip-vllm-check"]) == 0

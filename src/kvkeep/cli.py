@@ -36,7 +36,8 @@ BENCHES: dict[str, Route] = {
         ("agents", "N concurrent closed-loop agents (S5)"),
         ("hol", "a cached request beside a large prefill (S6)"),
         ("restart", "hits and TTFT after vLLM and cache restarts (S4)"),
-        ("all", "S1-S6 side by side: report.md, report.html, plots"),
+        ("replay", "real Claude Code sessions, closed loop (S7)"),
+        ("all", "S1-S7 side by side: report.md, report.html, plots"),
         ("soak", "agents while the cache and engine are killed"),
         ("store", "cache-server and tier bandwidth"),
     )

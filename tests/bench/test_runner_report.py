@@ -3,6 +3,7 @@ from pathlib import Path
 from kvkeep.bench import metrics, report
 from kvkeep.bench.http import TurnResult
 from kvkeep.bench.metrics import metrics_delta, parse_prometheus
+from kvkeep.bench.result import to_json
 from kvkeep.bench.scenarios.session import summarize_session
 
 PROM = """# HELP vllm:prefix_cache_hits_total hits
@@ -32,6 +33,9 @@ def test_kvkeep_tokens_are_summed_per_op(monkeypatch) -> None:  # type: ignore[n
     class Page:
         text = page
 
+        def raise_for_status(self) -> None:
+            pass
+
     monkeypatch.setattr(metrics.httpx, "get", lambda *a, **k: Page())
     tokens = metrics.kvkeep_tokens("http://x")
     assert tokens == {"offered": 0.0, "loaded": 384.0, "load_failed": 128.0, "saved": 0.0}
@@ -42,7 +46,7 @@ def _session(prompts: list[int], cached: list[int]) -> dict:
         TurnResult(0, i, p, c, p - c, 8, 0.1 * (i + 1), 0.2 * (i + 1), float(i))
         for i, (p, c) in enumerate(zip(prompts, cached, strict=True))
     ]
-    return summarize_session(rows, 3.0, {})
+    return to_json(summarize_session(rows, 3.0, {}))
 
 
 def test_session_summary_totals_and_ratio() -> None:

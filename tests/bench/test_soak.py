@@ -45,3 +45,29 @@ def test_rss_growth_is_measured_within_one_lifetime() -> None:
     leaking = [_sample(t, 2, 0, 20 + 10 * t, 1000) for t in range(9)]
     assert rss_growth(leaking)["server_mb"] == 30.0
     assert rss_growth(leaking[:3]) == {"server_mb": None, "vllm_mb": None}
+
+
+def test_hit_windows_count_each_window_s_requests_and_kvkeep_blocks() -> None:
+    from kvkeep.bench.criterion import Reply as Judged
+    from kvkeep.bench.criterion import Verdict
+    from kvkeep.bench.scenarios.soak import Reply, Result, hit_windows
+
+    def result(t: float, prompt: int, cached: int) -> Result:
+        return Result(t, 0.1, Reply(Judged([], []), prompt, cached), Verdict(True, "", 0, 0.0))
+
+    def sample(t: float, hits: float) -> Sample:
+        return Sample(t, 1, 0, None, None, hits, 0, 0, 0)
+
+    results = [result(1.0, 100, 50), result(2.0, 100, 100), result(12.0, 200, 0)]
+    samples = [
+        sample(5.0, 10),
+        sample(9.0, 30),
+        sample(10.0, 33),
+        sample(15.0, 35),
+        sample(35.0, 90),
+    ]
+    windows = hit_windows(results, samples, duration_s=30.0, windows=3)
+    assert [w["requests"] for w in windows] == [2, 1, 0]
+    assert [w["cached_fraction"] for w in windows] == [0.75, 0.0, 0.0]
+    # the running total's growth within each window; the sample after the end counts nowhere
+    assert [w["kvkeep_hit_blocks"] for w in windows] == [30, 5, 0]

@@ -8,9 +8,11 @@ import pytest
 
 from kvkeep.bench import report
 from kvkeep.bench.http import TurnResult, summarize_agents
-from kvkeep.bench.metrics import Counters, cacheable_tokens, hit_split
-from kvkeep.bench.scenarios.capacity import CapacitySpec, capacity_documents
-from kvkeep.bench.scenarios.restart import flatten
+from kvkeep.bench.metrics import Counters, HitRates, cacheable_tokens, hit_split, mean_rates
+from kvkeep.bench.prompts import Queried
+from kvkeep.bench.result import to_json
+from kvkeep.bench.scenarios.capacity import CapacitySpec
+from kvkeep.bench.scenarios.restart import summarize
 
 
 def test_cacheable_tokens_never_include_the_last_token() -> None:
@@ -27,7 +29,7 @@ def test_hit_split_by_device_connector_and_kvkeep_tiers() -> None:
         },
         tier_hits={"ram": 4.0, "disk": 2.0},
     )
-    rates = hit_split(delta, 1024, 128)
+    rates = to_json(hit_split(delta, 1024))
     assert rates["hit_rate"] == 1.0
     assert rates["device_hit_rate"] == 0.25
     assert rates["external_hit_rate"] == 0.75
@@ -37,11 +39,11 @@ def test_hit_split_by_device_connector_and_kvkeep_tiers() -> None:
 
 def test_capacity_documents_total_k_times_the_pool() -> None:
     spec = CapacitySpec(pool_blocks=64, k=4, doc_tokens=1024, rounds=2)
-    docs = capacity_documents(spec)
+    docs = spec.documents()
     assert len(docs) == spec.num_docs == 32
     assert sum(len(d) for d in docs) == 4 * 64 * 128
     assert len({tuple(d[:8]) for d in docs}) == len(docs)  # no two documents share a prefix
-    assert capacity_documents(spec) == docs  # deterministic
+    assert spec.documents() == docs  # deterministic
 
 
 @pytest.mark.parametrize(
@@ -59,7 +61,7 @@ def test_agents_summary_turns_per_minute_and_late_wait() -> None:
                    output_tokens=8, ttft_s=0.1, latency_s=float(t + 1), start_s=float(2 * t))
         for a in range(2) for t in range(6)
     ]  # fmt: skip
-    s = summarize_agents(rows, wall_s=30.0, agents=2)
+    s = to_json(summarize_agents(rows, wall_s=30.0, agents=2))
     assert s["turns"] == 12
     assert s["turns_per_min"] == pytest.approx(24.0)
     assert s["late_turn_wait_s"] == pytest.approx((2 + 3 + 4 + 5 + 6) / 5)
@@ -68,25 +70,32 @@ def test_agents_summary_turns_per_minute_and_late_wait() -> None:
     assert s["turns_per_min_per_agent"]["0"] == pytest.approx(6 / (16 / 60))
 
 
-def _phase(hit: float, ttft: float) -> dict:
-    return {"hit_rate": hit, "ttft_s": ttft}
+def _phase(hit: float, ttft: float) -> Queried:
+    return Queried(HitRates(hit), ttft, [ttft], 1024)
 
 
 def test_restart_figures_take_the_worse_of_the_two_server_restarts() -> None:
-    out = {
-        "first_ready_s": 25.0,
-        "restart_ready_s": 27.0,
+    phases = {
         "warmup": _phase(0.0, 1.0),
         "warm": _phase(1.0, 0.05),
         "after_engine_restart": _phase(1.0, 0.06),
         "after_server_sigterm": _phase(1.0, 0.07),
         "after_server_sigkill": _phase(0.98, 0.08),
     }
-    flat = flatten(out)
+    flat = to_json(summarize(25.0, 27.0, phases))
     assert flat["after_server_restart_hit_rate"] == 0.98
     assert flat["after_engine_restart_ttft_s"] == 0.06
-    no_cache = flatten({k: v for k, v in out.items() if not k.startswith("after_server")})
-    assert no_cache["after_server_restart_hit_rate"] is None
+    assert flat["phases"]["after_server_sigkill"]["hit_rate"] == 0.98
+    no_cache = summarize(25.0, 27.0, {k: v for k, v in phases.items() if "server" not in k})
+    assert no_cache.after_server_restart_hit_rate is None
+
+
+def test_mean_rates_weigh_each_measurement_by_its_cacheable_tokens() -> None:
+    a = HitRates(1.0, 0.0, 1.0, {"ram_hit_rate": 1.0})
+    b = HitRates(0.5, 0.5, 0.0)
+    mean = mean_rates([(a, 300), (b, 100)])
+    assert (mean.hit_rate, mean.device_hit_rate) == (0.875, 0.125)
+    assert mean.tiers == {"ram_hit_rate": 0.75}
 
 
 def test_all_report_has_a_row_per_claim_and_a_self_contained_page(tmp_path: Path) -> None:
@@ -98,7 +107,9 @@ def test_all_report_has_a_row_per_claim_and_a_self_contained_page(tmp_path: Path
                         "restart_ready_s": 26.0, "cold_ttft_s": 1.0, "warm_ttft_s": 0.05},
             "agents": {"turns_per_min": 60.0 * hit + 8, "late_turn_wait_s": 2.0,
                        "mean_wait_s": 1.0, "cached_fraction": hit, "working_set_over_pool": 3.0},
-            "hol": {"ttft_alone_s": 0.05, "ttft_beside_prefill_s": 0.5, "ratio": 10.0},
+            "hol": {"ttft_alone_s": 0.05, "ttft_beside_prefill_s": 0.5, "ratio": 10.0,
+                    "long_prefill_ttft_s": 2.2, "long_prefill_alone_s": 2.0,
+                    "long_prefill_ratio": 1.1, "long_prefill_token_threshold": 512},
         }  # fmt: skip
 
     modes = {"vllm": mode(0.0), "kvkeep": mode(1.0)}
@@ -112,6 +123,8 @@ def test_all_report_has_a_row_per_claim_and_a_self_contained_page(tmp_path: Path
     md = (tmp_path / "report.md").read_text()
     assert "| S3 hit rate, all tiers | >99% (offload) | 0.0% | 100.0% |" in md
     assert "| S5 turns/min, agents > pool | ~8 -> ~60 | 8.0 | 68.0 |" in md
+    assert "| S6 the big prefill's TTFT beside it / alone | (not measured) | 1.1x | 1.1x |" in md
+    assert "| 2.000 s | 2.200 s | 1.1x | default | 512 |" in md  # S6's own table
     page = (tmp_path / "report.html").read_text()
     assert page.count("data:image/png;base64,") == sum(p.suffix == ".png" for p in paths) >= 3
     assert "<td>S4 hit rate after vLLM restart</td>" in page

@@ -7,7 +7,6 @@ import argparse
 import ast
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from kvkeep.bench import cli
 from kvkeep.bench.context import Needs, RunContext, Setup
@@ -15,6 +14,11 @@ from kvkeep.bench.deploy.vllm import LaunchConfig
 from kvkeep.bench.suite import launch_config, run_modes
 
 BENCH = Path(__file__).resolve().parents[2] / "src" / "kvkeep" / "bench"
+
+
+@dataclass(frozen=True)
+class Seen:
+    mode: str
 
 
 @dataclass
@@ -29,11 +33,11 @@ class Fake:
     def needs(self) -> Needs:
         return Needs(engine=False, modes=self.modes)
 
-    def run(self, ctx: RunContext) -> dict[str, Any]:
+    def run(self, ctx: RunContext) -> Seen:
         self.seen.append(ctx.mode)
         if self.fail:
             raise RuntimeError("it broke")
-        return {"mode": ctx.mode}
+        return Seen(ctx.mode)
 
 
 def setup(tmp_path: Path) -> Setup:

@@ -6,7 +6,8 @@
    prefix-cache hits on the KV it computed in step 1).
 3. vLLM is restarted (the cache server, started apart, stays up) and the transcript is
    replayed again: every turn's full blocks come from kvkeep, and every reply equals the
-   reference in tokens and logprobs (``kvkeep.bench.criterion.same_as_hit``).
+   reference in tokens and logprobs (``kvkeep.bench.criterion.same_as_hit``), and the OpenAI
+   usage's ``cached_tokens`` (turned on by ``kvkeep serve``) counts the tokens kvkeep supplied.
 
 Built so that no block is computed twice (see the criterion's docstring): every prompt ends
 mid-block and each reply is capped so that its decode never completes that block. The user
@@ -50,10 +51,24 @@ class Serve:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.argv = [
-            sys.executable, "-m", "kvkeep.cli", "serve", str(model), "--dir", str(cache_dir),
-            "--", "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", MODEL,
-            "--max-model-len", "8192", "--enforce-eager", "--enable-prompt-tokens-details",
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "kvkeep.cli",
+            "serve",
+            str(model),
+            "--dir",
+            str(cache_dir),
+            "--",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            MODEL,
+            "--max-model-len",
+            "8192",
+            "--enforce-eager",
+        ]  # fmt: skip  (no --enable-prompt-tokens-details: serve turns it on)
         self.env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
         self.log = log
         self.proc: subprocess.Popen[bytes] | None = None

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvkeep.bench.deploy.vllm import LaunchConfig, LaunchError, VLLMServer, launch
+from kvkeep.bench.deploy.vllm import LaunchConfig, LaunchError, VLLMServer
 from kvkeep.endpoint import complete_ids, discover_model
 
 pytestmark = pytest.mark.e2e
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.e2e
 def server(request, tiny_model: Path, tmp_path_factory) -> Iterator[VLLMServer]:
     logs = tmp_path_factory.mktemp(f"logs-{request.param}")
     cfg = LaunchConfig(model=tiny_model, mode=request.param, max_model_len=8192, log_dir=logs)
-    with launch(cfg) as s:
+    with VLLMServer(cfg) as s:
         yield s
     assert s.proc is not None and s.proc.poll() is not None, "server still running after stop"
 

@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from kvkeep.bench.criterion import same_as_cold, same_as_hit
-from kvkeep.bench.deploy.vllm import LaunchConfig, launch
+from kvkeep.bench.deploy.vllm import LaunchConfig, VLLMServer
 from kvkeep.model import TinyModelSpec, write_tiny_model
 from kvkeep.serve import CacheServerConfig, CacheServerProcess
 from kvkeep.server.client import KVKeepClient
@@ -126,14 +126,14 @@ def test_restart_serves_the_same_outputs_from_kvkeep(
     prompts = _prompts(seed={"tiny": 1, "gqa8": 2}[shape])
     full_blocks = [((len(p) - 1) // BLOCK) * BLOCK for p in prompts]
 
-    with launch(cfg) as server:
+    with VLLMServer(cfg) as server:
         cold = _run_all(server.url, prompts)
         first = _run_all(server.url, prompts)  # vLLM's own prefix-cache hits: the reference
         saved = _settled_tokens(server.url, "saved", 1)["saved"]
     assert saved > 0, "kvkeep saved nothing in the first run"
     hits_before = _ram_hits(socket_path)
 
-    with launch(cfg) as server:  # a new engine: its device prefix cache is empty
+    with VLLMServer(cfg) as server:  # a new engine: its device prefix cache is empty
         second = _run_all(server.url, prompts)
         counts = _settled_tokens(server.url, "loaded", 1)
 
@@ -182,7 +182,7 @@ def test_serves_without_the_cache_server_and_survives_its_sigkill(
         time.sleep(6)  # longer than the client's maximum backoff (5 s)
 
     try:
-        with launch(cfg) as server, httpx.Client() as client:
+        with VLLMServer(cfg) as server, httpx.Client() as client:
             assert "is not reachable" in server.log_path.read_text()
             for _ in range(3):
                 turn(client, server.url)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvkeep.bench.deploy.vllm import LaunchConfig, VLLMServer, launch
+from kvkeep.bench.deploy.vllm import LaunchConfig, VLLMServer
 from kvkeep.plan.cost import calibrate
 from kvkeep.plan.main import main
 
@@ -24,7 +24,7 @@ SIZES = (256, 1024, 4096)
 def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
     logs = tmp_path_factory.mktemp("logs-calibrate")
     cfg = LaunchConfig(model=tiny_model, mode="vllm", max_model_len=8192 + 256, log_dir=logs)
-    with launch(cfg) as s:
+    with VLLMServer(cfg) as s:
         yield s
 
 

@@ -17,6 +17,8 @@ from kvkeep.plan.main import main
 from kvkeep.plan.trace import TraceError
 
 QUICK = Path(__file__).parent / "data" / "bench_all_quick.json"
+# `kvkeep bench replay --modes vllm,kvkeep` of 4 real sessions (block-tokens 32, 190 blocks)
+REPLAY = Path(__file__).parent / "data" / "replay_b32.json"
 
 
 def rows_by_key(rows: tuple[Row, ...]) -> dict[tuple[str, str, str], Row]:
@@ -88,10 +90,37 @@ def test_unknown_mode_is_named(tmp_path: Path, tiny_model: Path) -> None:
 def test_results_without_capacity_or_agents(tmp_path: Path, tiny_model: Path) -> None:
     path = tmp_path / "ttft.json"
     path.write_text(json.dumps({"scenario": "ttft", "modes": {"vllm": {}}}))
-    with pytest.raises(TraceError, match="no capacity or agents scenario"):
+    with pytest.raises(TraceError, match="no capacity, agents or replay scenario"):
         compare(path, CompareConfig(model_dir=tiny_model))
 
 
 def test_missing_model_directory_says_what_to_pass(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="pass --model DIR"):
         compare(capacity_only(tmp_path), CompareConfig())
+
+
+def test_a_replay_is_predicted_within_3_points(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The measured run of issue 15's acceptance; its traces are found by name in the shared
+    data when the recorded paths are gone."""
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])  # the checkout: ../shared beside it
+    if not Path("../shared/data/claude-code-traces").is_dir():
+        pytest.skip("the shared traces are not beside this checkout")
+    doc = json.loads(REPLAY.read_text())
+    for result in doc["modes"].values():
+        result["spec"]["traces"] = [f"/gone/{Path(p).name}" for p in result["spec"]["traces"]]
+    moved = tmp_path / "results.json"
+    moved.write_text(json.dumps(doc))
+    result = compare(moved, CompareConfig(model_dir=tiny_model))
+    rows = rows_by_key(result.rows)
+    assert set(rows) == {("replay", m, r) for m in ("vllm", "kvkeep") for r in ("device", "total")}
+    assert all(abs(r.diff_pts) <= 3 for r in result.rows), table(result)
+    assert rows["replay", "kvkeep", "total"].measured >= 0.9
+    assert rows["replay", "vllm", "total"].predicted < 0.1  # the working set is 3.9x the pool
+    assert any("trace_0086.json.gz read from" in a for a in result.assumed)
+    doc["modes"]["vllm"]["spec"]["traces"][0] = "/gone/trace_9999.json.gz"
+    doc["modes"]["kvkeep"]["spec"]["traces"][0] = "/gone/trace_9999.json.gz"
+    moved.write_text(json.dumps(doc))
+    with pytest.raises(TraceError, match=r"trace_9999\.json\.gz is missing"):
+        compare(moved, CompareConfig(model_dir=tiny_model))

@@ -68,6 +68,9 @@ def test_config_from_extra_validates() -> None:
         ConnectorConfig.from_extra({})
     with pytest.raises(ValueError, match="timeout_s"):
         ConnectorConfig.from_extra({"socket": "/s", "timeout_s": 0})
+    assert ConnectorConfig.from_extra({"socket": "/s", "staging_mib": 16}).staging_mib == 16
+    with pytest.raises(ValueError, match="staging_mib"):
+        ConnectorConfig.from_extra({"socket": "/s", "staging_mib": 0})
 
 
 # --- keys ---------------------------------------------------------------------------------------

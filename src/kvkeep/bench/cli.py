@@ -27,9 +27,11 @@ from kvkeep.bench import report, suite
 from kvkeep.bench.context import Setup
 from kvkeep.bench.deploy.cache import CacheSpec
 from kvkeep.bench.deploy.vllm import MODES, LaunchConfig
+from kvkeep.bench.report import tables
 from kvkeep.bench.report.environment import environment
 from kvkeep.bench.scenario import Scenario
 from kvkeep.bench.scenarios import agents, capacity, hol, restart, session, soak, store, ttft
+from kvkeep.bench.scenarios import replay as replay_scenario
 from kvkeep.workload import BENCH_CACHE_DISK, BENCH_CACHE_RAM, HFTokenizer
 
 Output = Callable[[dict[str, Any], argparse.Namespace], int]
@@ -53,9 +55,11 @@ COMMANDS: dict[str, Command] = {
     "capacity": Command("more documents than the device pool (S3)", capacity),
     "agents": Command("N concurrent closed-loop agents (S5)", agents),
     "hol": Command("a cached request beside a large prefill (S6)", hol),
+    "replay": Command("real Claude Code sessions, closed loop (S7)", replay_scenario,
+                      modes="none,vllm,kvkeep"),
     "restart": Command("hits and TTFT after vLLM and cache restarts (S4)", restart,
                        modes="vllm,kvkeep"),
-    "all": Command("the study's six experiments side by side: report.md, report.html, plots",
+    "all": Command("the study's six experiments and S7 side by side: report.md, report.html, plots",
                    None, modes="none,vllm,kvkeep"),
     "soak": Command("agents while the cache and engine are killed", soak, "kvkeep",
                     compare=False, output=soak.output),
@@ -105,7 +109,18 @@ def parser(name: str) -> argparse.ArgumentParser:
         p.add_argument("--kv-pool-gib", type=float, default=1.0, help="VLLM_CPU_KVCACHE_SPACE")
         p.add_argument("--num-blocks", type=int, help="--num-gpu-blocks-override for vLLM")
         p.add_argument("--max-num-batched-tokens", type=int, help="vLLM's chunked-prefill budget")
+        p.add_argument(
+            "--long-prefill-token-threshold",
+            type=int,
+            help="vLLM's cap on one prefill's tokens per step while others wait "
+            "(0: vLLM's default, no cap; default: kvkeep serve's in mode kvkeep)",
+        )
         p.add_argument("--out", type=Path, help="write results.json, report.md and PNG plots here")
+        p.add_argument(
+            "--profile",
+            action="store_true",
+            help="record and print the connector's seconds per phase (vllm:kvkeep_seconds_total)",
+        )
     if cmd.module is not None:
         cmd.module.add_args(p)
     else:  # bench all
@@ -126,7 +141,7 @@ def main(argv: list[str]) -> int:
         return 2
     t0 = time.monotonic()
     args.modes = _modes(args.modes, scenarios)
-    results = suite.run_modes(scenarios, args.modes, setup)
+    results = suite.run_modes(scenarios, args.modes, setup, getattr(args, "profile", False))
     env = environment(getattr(args, "model", None))
     output = COMMANDS[name].output
     if output is not None:  # one scenario in one mode
@@ -156,6 +171,7 @@ def _setup(name: str, args: argparse.Namespace) -> Setup:
         kv_pool_gib=getattr(args, "kv_pool_gib", 1.0),
         num_blocks=getattr(args, "num_blocks", None),
         max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
+        long_prefill_token_threshold=getattr(args, "long_prefill_token_threshold", None),
         reserved_cpus=args.reserved_cpus,
         log_dir=args.log_dir,
     )
@@ -214,6 +230,8 @@ def write(doc: dict[str, Any], args: argparse.Namespace, name: str) -> int:
     """Print the tables; --json: the JSON alone; --out: JSON, report.md, report.html and
     plots. 1 if a scenario failed, else 0."""
     print(report.markdown(doc))
+    if getattr(args, "profile", False):
+        print(tables.profile_table(doc))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=2) + "\n")

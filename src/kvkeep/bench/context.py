@@ -65,7 +65,6 @@ class RunContext:
     engines: list[VLLMServer] = field(default_factory=list)
     caches: list[CacheServer] = field(default_factory=list)
     endpoint: str | None = None
-    store: str | None = None
 
     @property
     def url(self) -> str:
@@ -83,9 +82,11 @@ class RunContext:
         return self.engines[0]
 
     @property
-    def cache(self) -> CacheServer | None:
-        """The (first) cache server, None outside mode kvkeep."""
-        return self.caches[0] if self.caches else None
+    def cache(self) -> CacheServer:
+        """The (first) cache server; raises RuntimeError outside mode kvkeep."""
+        if not self.caches:
+            raise RuntimeError(f"this needs a kvkeep cache server; mode {self.mode} has none")
+        return self.caches[0]
 
     def probe(self, replica: int = 0) -> Probe:
         """Counters of one replica, following its engine across restarts."""
@@ -125,4 +126,4 @@ def deployment(mode: str, cfg: LaunchConfig, needs: Needs, setup: Setup) -> Iter
             with ThreadPoolExecutor(len(engines)) as pool:
                 for future in [pool.submit(e.start) for e in engines]:
                     future.result()
-        yield RunContext(mode, cfg.model, engines, caches, store=store)
+        yield RunContext(mode, cfg.model, engines, caches)

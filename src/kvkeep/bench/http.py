@@ -6,6 +6,7 @@ previous one is done and its tool has "run" (`tool_delay_s`), many agents on one
 client's TTFT and latency; computed tokens are prompt minus cached). With several URLs, turn
 ``t`` of agent ``a`` goes to replica ``(a + t) % N``: consecutive turns of an agent never share
 a replica, the worst case for locality. `bench soak` runs its own step in the same loop.
+`summarize_agents` gives the `AgentsSummary` both agents results carry.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import asyncio
 import statistics
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
+from typing import TypeVar
 
 import httpx
 
@@ -39,16 +40,13 @@ class TurnResult:
     latency_s: float
     start_s: float
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
-
-Step = Callable[[httpx.AsyncClient, int, Turn], Awaitable[None]]
+T = TypeVar("T")  # what a session is a sequence of: a Turn, or a replayed request
 
 
 async def agent_loop(
-    sessions: Sequence[Sequence[Turn]],
-    step: Step,
+    sessions: Sequence[Sequence[T]],
+    step: Callable[[httpx.AsyncClient, int, T], Awaitable[None]],
     tool_delay_s: float = 0.0,
     until: float | None = None,
 ) -> None:
@@ -57,7 +55,7 @@ async def agent_loop(
     limits = httpx.Limits(max_connections=max(8, len(sessions) * 2))
     async with httpx.AsyncClient(limits=limits, timeout=REQUEST_TIMEOUT_S) as client:
 
-        async def agent(a: int, turns: Sequence[Turn]) -> None:
+        async def agent(a: int, turns: Sequence[T]) -> None:
             i = 0
             while i < len(turns) if until is None else time.monotonic() < until:
                 await step(client, a, turns[i % len(turns)])
@@ -97,23 +95,31 @@ async def run_agents(
     return results
 
 
-def summarize_agents(results: list[TurnResult], wall_s: float, agents: int) -> dict[str, Any]:
+@dataclass(frozen=True)
+class AgentsSummary:
     """Turns/min overall and per agent, the wait per turn, and the late-turn wait."""
+
+    agents: int
+    turns: int
+    wall_s: float
+    turns_per_min: float
+    turns_per_min_per_agent: dict[str, float]
+    wait_per_turn_s: dict[str, list[float]]
+    mean_wait_s: float
+    late_turn_wait_s: float
+    mean_ttft_s: float
+
+
+def summarize_agents(results: list[TurnResult], wall_s: float, agents: int) -> AgentsSummary:
     by_agent: dict[int, list[TurnResult]] = {}
     for r in sorted(results, key=lambda r: (r.agent, r.turn)):
         by_agent.setdefault(r.agent, []).append(r)
     late = [r.latency_s for rows in by_agent.values() for r in rows[-LATE_TURNS:]]
-    return {
-        "agents": agents,
-        "turns": len(results),
-        "wall_s": wall_s,
-        "turns_per_min": len(results) / (wall_s / 60),
-        "turns_per_min_per_agent": {
-            str(a): len(rows) / (max(r.start_s + r.latency_s for r in rows) / 60)
-            for a, rows in by_agent.items()
-        },
-        "wait_per_turn_s": {str(a): [r.latency_s for r in rows] for a, rows in by_agent.items()},
-        "mean_wait_s": statistics.fmean(r.latency_s for r in results),
-        "late_turn_wait_s": statistics.fmean(late),
-        "mean_ttft_s": statistics.fmean(r.ttft_s for r in results),
-    }
+    return AgentsSummary(
+        agents, len(results), wall_s, len(results) / (wall_s / 60),
+        {str(a): len(rows) / (max(r.start_s + r.latency_s for r in rows) / 60)
+         for a, rows in by_agent.items()},
+        {str(a): [r.latency_s for r in rows] for a, rows in by_agent.items()},
+        statistics.fmean(r.latency_s for r in results), statistics.fmean(late),
+        statistics.fmean(r.ttft_s for r in results),
+    )  # fmt: skip

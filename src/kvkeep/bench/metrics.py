@@ -5,16 +5,20 @@ One Prometheus parser (`samples`), and what is built on it: vLLM's token counter
 server URL with the counters a scenario diffs around a measurement: vLLM's device and
 connector hits and, where a kvkeep cache server is deployed, its per-tier hits. A probe
 without a cache server reads no kvkeep tiers, so every mode reports the same fields.
+`hit_split` turns a difference into `HitRates`, the hit-rate group several results share
+(`mean_rates` combines several measurements).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
+from kvkeep.bench.result import FLAT
 
 # vLLM metrics the instrument reads (counters, in tokens), summed over their labels.
 VLLM_COUNTERS = (
@@ -46,11 +50,16 @@ def parse_prometheus(text: str) -> dict[str, float]:
     return totals
 
 
-def vllm_counters(url: str, names: Sequence[str] = VLLM_COUNTERS) -> dict[str, float]:
-    """The chosen counters from `{url}/metrics` (missing ones read as 0)."""
+def scrape(url: str) -> str:
+    """`{url}/metrics` as text; raises httpx.HTTPError."""
     r = httpx.get(f"{url}/metrics", timeout=30)
     r.raise_for_status()
-    totals = parse_prometheus(r.text)
+    return r.text
+
+
+def vllm_counters(url: str, names: Sequence[str] = VLLM_COUNTERS) -> dict[str, float]:
+    """The chosen counters from `{url}/metrics` (missing ones read as 0)."""
+    totals = parse_prometheus(scrape(url))
     return {name: totals.get(name, 0.0) for name in names}
 
 
@@ -58,9 +67,23 @@ def kvkeep_tokens(url: str) -> dict[str, float]:
     """The connector's `vllm:kvkeep_tokens_total` by op (tokens offered, loaded, failed to
     load, saved); zeros when the connector is off."""
     out = dict.fromkeys(KVKEEP_OPS, 0.0)
-    for name, labels, value in samples(httpx.get(f"{url}/metrics", timeout=30).text):
+    for name, labels, value in samples(scrape(url)):
         if name == "vllm:kvkeep_tokens_total" and "op" in labels:
             out[labels["op"]] = out.get(labels["op"], 0.0) + value
+    return out
+
+
+def kvkeep_profile(urls: Sequence[str]) -> dict[str, float]:
+    """Seconds per connector phase (`vllm:kvkeep_seconds_total` by op, summed over ``urls``)
+    and ``requests`` (`vllm:request_success_total`); empty phases when the connector is off."""
+    out: dict[str, float] = {}
+    for url in urls:
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+        for name, labels, value in samples(text):
+            if name == "vllm:kvkeep_seconds_total" and "op" in labels:
+                out[labels["op"]] = out.get(labels["op"], 0.0) + value
+            elif name == "vllm:request_success_total":
+                out["requests"] = out.get("requests", 0.0) + value
     return out
 
 
@@ -117,23 +140,48 @@ def cacheable_tokens(prompt_tokens: int, block_size: int) -> int:
     return ((prompt_tokens - 1) // block_size) * block_size
 
 
-def hit_split(delta: Counters, cacheable: int, block_size: int) -> dict[str, float]:
+@dataclass(frozen=True)
+class HitRates:
+    """Hits over the tokens a cache could serve; ``tiers``: {"ram_hit_rate": ..., ...}, the
+    connector's hits split by the kvkeep tier that served them (none without a cache server).
+    Its JSON keys are flat in the result that holds it."""
+
+    hit_rate: float = 0.0
+    device_hit_rate: float = 0.0
+    external_hit_rate: float = 0.0
+    tiers: dict[str, float] = field(default_factory=dict, metadata=FLAT)
+
+    def get(self, key: str) -> float:
+        """A rate by its JSON key (a tier's missing rate reads as 0)."""
+        return float(getattr(self, key)) if key in _RATES else self.tiers.get(key, 0.0)
+
+
+_RATES = ("hit_rate", "device_hit_rate", "external_hit_rate")
+
+
+def hit_split(delta: Counters, cacheable: int) -> HitRates:
     """Hit rates over `cacheable` tokens: device, connector, and kvkeep's tiers.
 
     The kvkeep tiers split the connector's hits in proportion to the blocks each tier served
     (RAM, disk or remote), because vLLM only counts the connector as a whole.
     """
     if cacheable <= 0:
-        return {"hit_rate": 0.0, "device_hit_rate": 0.0, "external_hit_rate": 0.0}
+        return HitRates()
     device = delta.vllm.get("vllm:prefix_cache_hits_total", 0.0)
     external = delta.vllm.get("vllm:external_prefix_cache_hits_total", 0.0)
-    out = {
-        "hit_rate": (device + external) / cacheable,
-        "device_hit_rate": device / cacheable,
-        "external_hit_rate": external / cacheable,
-    }
     served = sum(delta.tier_hits.values())
-    for tier, blocks in delta.tier_hits.items():
-        share = blocks / served if served else 0.0
-        out[f"{tier}_hit_rate"] = external * share / cacheable
-    return out
+    tiers = {
+        f"{tier}_hit_rate": external * (blocks / served if served else 0.0) / cacheable
+        for tier, blocks in delta.tier_hits.items()
+    }
+    return HitRates((device + external) / cacheable, device / cacheable, external / cacheable,
+                    tiers)  # fmt: skip
+
+
+def mean_rates(parts: Sequence[tuple[HitRates, int]]) -> HitRates:
+    """The rates of several measurements together, each weighted by its cacheable tokens."""
+    total = sum(w for _, w in parts) or 1
+    keys = [*_RATES, *dict.fromkeys(k for r, _ in parts for k in r.tiers)]
+    mean = {k: sum(r.get(k) * w for r, w in parts) / total for k in keys}
+    hit, device, external = (mean.pop(k) for k in _RATES)
+    return HitRates(hit, device, external, mean)

@@ -12,12 +12,13 @@ import asyncio
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass, field
 
 import httpx
 
-from kvkeep.bench.metrics import Probe, cacheable_tokens, hit_split
-from kvkeep.endpoint import REQUEST_TIMEOUT_S, complete_ids, discover_model
+from kvkeep.bench.metrics import HitRates, Probe, cacheable_tokens, hit_split
+from kvkeep.bench.result import FLAT
+from kvkeep.endpoint import REQUEST_TIMEOUT_S, StreamStats, complete_ids, discover_model
 from kvkeep.workload import QUESTION_TOKENS, random_ids
 
 
@@ -31,38 +32,46 @@ def question(index: int, salt: int = 0) -> list[int]:
     return [10 + (index * 13 + salt * 7 + j) % 90 for j in range(QUESTION_TOKENS)]
 
 
+@dataclass(frozen=True)
+class Queried:
+    """Documents queried once each: where the hits came from, the mean TTFT and each one,
+    and the tokens a cache could serve."""
+
+    rates: HitRates = field(metadata=FLAT)
+    ttft_s: float
+    ttfts_s: list[float]
+    cacheable: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.rates.hit_rate
+
+
 def query(
     probe: Probe,
     docs: list[list[int]],
     block_size: int,
     salt: int = 0,
     progress: Callable[[], object] | None = None,
-) -> dict[str, Any]:
-    """Each document once, with its question: where the hits came from (`hit_split`), the
-    mean TTFT and each one (`ttfts_s`), and the tokens a cache could serve (`cacheable`)."""
-    return asyncio.run(_query(probe, docs, block_size, salt, progress))
+) -> Queried:
+    """Each document once, with its question (``salt`` varies the question), one at a time."""
 
+    async def send_all() -> list[StreamStats]:
+        out = []
+        async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as client:
+            model = await discover_model(client, url)
+            for i, doc in enumerate(docs):
+                out.append(await complete_ids(client, url, model, doc + question(i, salt)))
+                if progress:
+                    progress()
+        return out
 
-async def _query(
-    probe: Probe,
-    docs: list[list[int]],
-    block_size: int,
-    salt: int,
-    progress: Callable[[], object] | None,
-) -> dict[str, Any]:
-    before = probe.snapshot()
-    url = probe.current_url()
-    ttfts, cacheable = [], 0
-    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as client:
-        model = await discover_model(client, url)
-        for i, doc in enumerate(docs):
-            s = await complete_ids(client, url, model, doc + question(i, salt))
-            ttfts.append(s.ttft_s)
-            cacheable += cacheable_tokens(s.prompt_tokens, block_size)
-            if progress:
-                progress()
-    rates = hit_split(probe.delta(before), cacheable, block_size)
-    return {**rates, "ttft_s": statistics.fmean(ttfts), "ttfts_s": ttfts, "cacheable": cacheable}
+    before, url = probe.snapshot(), probe.current_url()
+    sent = asyncio.run(send_all())
+    cacheable = sum(cacheable_tokens(s.prompt_tokens, block_size) for s in sent)
+    ttfts = [s.ttft_s for s in sent]
+    rates = hit_split(probe.delta(before), cacheable)
+    return Queried(rates, statistics.fmean(ttfts), ttfts, cacheable)
 
 
 def reset_device_cache(url: str) -> None:

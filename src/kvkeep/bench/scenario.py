@@ -2,8 +2,9 @@
 
 A scenario says what it needs (`Needs`) and measures in ``run(ctx)``, where `RunContext`
 hands it the deployment of one mode: the URL, probes, the engine to restart and the cache
-server to restart, kill or read. It returns a JSON-ready dict. It never starts vLLM or a
-cache server itself; the one mode loop (`suite.run_modes`) deploys what ``needs()`` asks for,
+server to restart, kill or read. It returns its own frozen result dataclass, which the mode
+loop turns into JSON in one place (`result.to_json`). It never starts vLLM or a cache server
+itself; the one mode loop (`suite.run_modes`) deploys what ``needs()`` asks for,
 the same way whether the scenario runs alone or in `bench all`.
 
 A scenario raises on failure; the mode loop records ``{"error": ...}`` for that mode and goes
@@ -13,11 +14,17 @@ on with the others.
 from __future__ import annotations
 
 import argparse
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from kvkeep.bench.context import Needs, RunContext
 
-__all__ = ["Needs", "RunContext", "Scenario", "parse_sizes"]
+__all__ = ["Needs", "Result", "RunContext", "Scenario", "parse_sizes"]
+
+
+class Result(Protocol):
+    """Any dataclass instance: what ``Scenario.run`` returns (frozen, by convention)."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]
 
 
 class Scenario(Protocol):
@@ -25,7 +32,7 @@ class Scenario(Protocol):
 
     def needs(self) -> Needs: ...
 
-    def run(self, ctx: RunContext) -> dict[str, Any]: ...
+    def run(self, ctx: RunContext) -> Result: ...
 
 
 def parse_sizes(text: str) -> list[int]:

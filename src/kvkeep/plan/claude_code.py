@@ -73,6 +73,29 @@ class Arrival:
         return "all sessions start at once"
 
 
+class TraceCall(NamedTuple):
+    """One model call of a session: ``time_s`` from the session's start, the prompt's 64-token
+    ``ids``, its ``tokens`` and ``output_tokens``, and ``think_s``, the pause between the
+    previous reply and this call (the trace's ``think_time``, else the gap in ``t``)."""
+
+    time_s: float
+    ids: Sequence[int]
+    tokens: int
+    output_tokens: int
+    think_s: float
+
+
+class TraceSession(NamedTuple):
+    """A session (a file's top-level agent or one of its sub-agents): ``file`` indexes the
+    files read (ids are local to a file, so sessions of one file share blocks), ``start_s``
+    is its absolute start under the arrival model, ``where`` names it in messages."""
+
+    file: int
+    start_s: float
+    calls: tuple[TraceCall, ...]
+    where: str
+
+
 class _Call(NamedTuple):
     time_s: float
     file: int
@@ -103,19 +126,15 @@ def read_claude_code(
             f"--block-tokens {block_tokens}: Claude Code traces have {TRACE_BLOCK_TOKENS}-token "
             f"blocks; use a multiple of {TRACE_BLOCK_TOKENS}"
         )
-    files = [path] if path.is_file() else list(_trace_files(path))
-    if not files:
-        raise TraceError(f"{path}: no .json or .json.gz trace files")
+    files = trace_files(path)
     calls: list[_Call] = []
-    sessions = 0
-    for index, (file, offset) in enumerate(zip(files, arrival.offsets(len(files)), strict=True)):
-        doc = _load(file)
-        found = list(_sessions(doc.get("requests"), offset, f"{file}"))
-        for session, (start, requests, where) in enumerate(found, sessions):
-            calls += [
-                _call(r, start, index, session, f"{where}[{i}]") for i, r in enumerate(requests)
-            ]
-        sessions += len(found)
+    found = load_sessions(files, arrival)
+    for n, session in enumerate(found):
+        calls += [
+            _Call(session.start_s + c.time_s, session.file, n, c.ids, c.tokens, c.output_tokens)
+            for c in session.calls
+        ]
+    sessions = len(found)
     calls.sort(key=lambda c: c.time_s)
     blocks = _requests(calls, block_tokens // TRACE_BLOCK_TOKENS, block_tokens, vllm_blocks)
     source = (
@@ -124,6 +143,28 @@ def read_claude_code(
     )
     rules = "vllm" if vllm_blocks else "trace"
     return BlockTrace(tuple(blocks), block_tokens, source, rules, sessions=sessions)
+
+
+def trace_files(path: Path) -> list[Path]:
+    """``path`` itself, or the trace files of a directory in name order. TraceError if none."""
+    files = [path] if path.is_file() else list(_trace_files(path))
+    if not files:
+        raise TraceError(f"{path}: no .json or .json.gz trace files")
+    return files
+
+
+def load_sessions(files: Sequence[Path], arrival: Arrival = Arrival()) -> list[TraceSession]:
+    """Every session of ``files`` (file order; a file's sub-agents, depth first, after the
+    calls around them), each file offset by the arrival model. Raises TraceError naming the
+    file and request that is wrong."""
+    out: list[TraceSession] = []
+    for index, (file, offset) in enumerate(zip(files, arrival.offsets(len(files)), strict=True)):
+        doc = _load(file)
+        for start, requests, where in _sessions(doc.get("requests"), offset, f"{file}"):
+            calls = [_call(r, f"{where}[{i}]", requests[i - 1] if i else None)
+                     for i, r in enumerate(requests)]  # fmt: skip
+            out.append(TraceSession(index, start, tuple(calls), where))
+    return out
 
 
 def _trace_files(directory: Path) -> Iterator[Path]:
@@ -171,7 +212,7 @@ def _sessions(
         yield start, calls, where
 
 
-def _call(r: dict[str, Any], start: float, file: int, session: int, where: str) -> _Call:
+def _call(r: dict[str, Any], where: str, previous: dict[str, Any] | None) -> TraceCall:
     ids = r.get("hash_ids")
     if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
         raise TraceError(f"{where}: 'hash_ids' must be a list of integers")
@@ -182,7 +223,10 @@ def _call(r: dict[str, Any], start: float, file: int, session: int, where: str) 
             f"{tokens // TRACE_BLOCK_TOKENS} (one per full {TRACE_BLOCK_TOKENS}-token block)"
         )
     out = int(_number(r, "out", where, default=0))
-    return _Call(start + _number(r, "t", where), file, session, ids, tokens, out)
+    t = _number(r, "t", where)
+    gap = t - float(previous.get("t", 0.0)) if previous else 0.0
+    think = _number(r, "think_time", where, default=max(0.0, gap))
+    return TraceCall(t, ids, tokens, out, think)
 
 
 def _number(r: dict[str, Any], name: str, where: str, default: float | None = None) -> float:

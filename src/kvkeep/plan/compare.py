@@ -4,8 +4,8 @@ next to the ones the bench measured.
     kvkeep plan --compare kvkeep-report/results.json
 
 The input is `kvkeep bench all`'s ``results.json`` or the ``--json`` output of `kvkeep bench
-capacity` / `kvkeep bench agents`. Each scenario's block trace is rebuilt from the parameters
-its result records; a parameter it does not record is taken from the bench's defaults and
+capacity` / `agents` / `replay`. Each scenario's block trace is rebuilt from the parameters its
+result records; a parameter it does not record is taken from the bench's defaults and
 named in :attr:`Comparison.assumed`.
 
 What is compared, with the same definitions on both sides:
@@ -20,6 +20,10 @@ What is compared, with the same definitions on both sides:
   on a FCFS engine keep the order in which they started, and that fixed cyclic order is the
   one LRU serves worst (shuffling it each round raises the predicted device rate by 7 to 17
   points on the demo's workload, so a run whose agents drift apart will hit more).
+- **replay**: the same two rates over prompt tokens. The trace is rebuilt from the traces and
+  options the result records (:mod:`.replay`: the same sessions and token counts) in the order
+  that mode sent its requests, and the prediction is
+  :meth:`StackDistances.token_hit_rate`.
 
 Each mode is a list of tiers: ``none`` has none (prefix caching off), ``vllm`` the device
 pool less vLLM's null block, ``kvkeep`` that plus the cache server's RAM and disk, each an LRU
@@ -39,6 +43,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from kvkeep.plan.footprint import resolve_model
+from kvkeep.plan.replay import DEFAULT_TRACES, ReplaySpec, load_replay, replay_trace
 from kvkeep.plan.stackdist import StackDistances, stack_distances
 from kvkeep.plan.tiers import TierSpec, reaches
 from kvkeep.plan.trace import BlockTrace, TraceError
@@ -123,7 +128,7 @@ def compare(path: Path, config: CompareConfig) -> Comparison:
         note = _Notes(name, assumed)
         rows += kind(name, scenario["modes"], _Context(model_dir, config, doc, note))
     if not rows:
-        raise TraceError(f"{path}: no capacity or agents scenario to compare")
+        raise TraceError(f"{path}: no capacity, agents or replay scenario to compare")
     return Comparison(tuple(rows), tuple(assumed))
 
 
@@ -232,7 +237,38 @@ def _rows(
     return rows
 
 
-_KINDS = {"capacity": _capacity, "agents": _agents}
+def _replay(name: str, modes: dict[str, Any], ctx: _Context) -> list[Row]:
+    """Each mode's requests in the order it sent them; rates over prompt tokens."""
+    first = next(iter(modes.values()))
+    replay = load_replay(_found(ReplaySpec.from_record(first["spec"]), ctx.note))
+    rows = []
+    for mode, result in modes.items():
+        if not result.get("pool_blocks"):
+            raise ValueError(f"{name}: mode {mode} records no device pool; run the replay "
+                             "with --num-blocks so the planner knows it")  # fmt: skip
+        trace = replay_trace(replay, [(int(s), int(i)) for s, i in result["order"]])
+        tiers = ctx.tiers(result, result["pool_blocks"], trace.block_tokens)
+        rows += _rows(name, {mode: result}, tiers, stack_distances(trace).token_hit_rate)
+    return rows
+
+
+def _found(spec: ReplaySpec, note: _Notes) -> ReplaySpec:
+    """``spec`` with each recorded trace that is gone (results from another machine) looked
+    up by name in the shared traces, noted as assumed. TraceError if it is not there either."""
+    found = []
+    for path in spec.traces:
+        shared = DEFAULT_TRACES / path.name
+        if not path.exists() and not shared.exists():
+            raise TraceError(f"{note.scenario}: the replayed trace {path} is missing (nor at "
+                             f"{shared}); copy it back, or run beside the shared data")  # fmt: skip
+        if not path.exists():
+            note.out.append(f"{note.scenario}: {path.name} read from {DEFAULT_TRACES} "
+                            f"({path} is missing)")  # fmt: skip
+        found.append(path if path.exists() else shared)
+    return replace(spec, traces=tuple(found))
+
+
+_KINDS = {"capacity": _capacity, "agents": _agents, "replay": _replay}
 
 
 def _load(path: Path) -> dict[str, Any]:

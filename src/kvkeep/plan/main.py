@@ -47,7 +47,7 @@ def parser() -> argparse.ArgumentParser:
         "--compare",
         type=Path,
         metavar="RESULTS",
-        help="bench results.json (all, capacity or agents): predicted vs measured hit rates",
+        help="bench results.json (all, capacity, agents, replay): predicted vs measured hit rates",
     )
     src.add_argument(
         "--block-tokens",

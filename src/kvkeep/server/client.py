@@ -210,6 +210,12 @@ class KVKeepClient:
             raise CacheUnavailable("slot belongs to a server instance that is gone")
         return np.frombuffer(arena.map, dtype=np.uint8, count=slot.length, offset=slot.offset)
 
+    def arena_mapping(self) -> tuple[str, mmap.mmap] | None:
+        """The server instance whose arena is mapped now, and the map (None before the first
+        call that reached a server). A restarted server brings a new instance and map."""
+        arena = self._arena
+        return (arena.instance, arena.map) if arena is not None else None
+
     def _buffer(self, slot: SlotRef) -> memoryview:
         view = self.slot_view(slot)
         return view.data  # the ndarray's own buffer: no copy

@@ -60,6 +60,15 @@ def expected_block_bytes(kv_cache_config: Any) -> int:
     return len(groups[0].layer_names) * int(_spec(kv_cache_config).page_size_bytes)
 
 
+def step_blocks(vllm_config: Any, block_size: int) -> int:
+    """The most blocks one step can complete: its token budget in blocks, plus one per
+    sequence (a decode or a chunk can complete a block of each running request)."""
+    sched = vllm_config.scheduler_config
+    tokens = int(getattr(sched, "max_num_batched_tokens", 0) or 8192)
+    seqs = int(getattr(sched, "max_num_seqs", 0) or 256)
+    return -(-tokens // block_size) + seqs
+
+
 def tp_rank_size(vllm_config: Any) -> tuple[int, int]:
     """This process's tensor-parallel rank (0 outside a worker) and the TP size."""
     size = int(vllm_config.parallel_config.tensor_parallel_size)

@@ -12,12 +12,13 @@ blocks beyond vLLM's own hit and claims the leading present ones (always leaving
 compute); it tracks every running request's block table and emits, each step, the blocks to
 load and the blocks that become full (to save) in a ``StepPlan``.
 
-Worker side: loads are synchronous, before the forward: ACQUIRE (pins) → verify the CRC →
-copy every layer into the allocated blocks → RELEASE. A block that is missing, corrupt or
-fails to copy is reported through ``get_block_ids_with_load_errors`` and vLLM recomputes it
-(policy "recompute"). Saves run in ``wait_for_save``, after the forward: RESERVE (the server
-skips blocks it already has) → copy → a background thread checksums and COMMITs, so the step
-waits only for the copy.
+Worker side: loads are synchronous, before the forward: ACQUIRE (pins) → verify the checksum
+→ copy each block (all layers) into the allocated blocks → RELEASE. A block that is missing,
+corrupt or fails to copy is reported through ``get_block_ids_with_load_errors`` and vLLM
+recomputes it (policy "recompute"). Saves run in ``wait_for_save``, after the forward: one
+batched copy of the step's new blocks into staging memory is all the step waits for; a
+background thread on its own connection RESERVEs (the server skips blocks it already has),
+copies the rows into slots, checksums and COMMITs (:mod:`kvkeep.vllm.saver`).
 
 A step with a failed load saves nothing. vLLM runs that step's forward anyway, on top of the
 blocks that did not load, so its new KV is wrong under correct keys; vLLM then recomputes.
@@ -103,7 +104,8 @@ class KVKeepConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(vllm_config, kv_cache_config, client)
         else:
-            self._worker = WorkerSide(vllm_config, kv_cache_config, client, config.audit)
+            staging = None if config.staging_mib is None else int(config.staging_mib * (1 << 20))
+            self._worker = WorkerSide(vllm_config, kv_cache_config, client, config.audit, staging)
 
     @property
     def requires_kv_delivery(self) -> bool:

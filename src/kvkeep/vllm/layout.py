@@ -12,6 +12,11 @@ path serves every layout: for a block-contiguous layout (LBHNC on CPU, LBNHC on 
 one memcpy per layer. The bytes inside a page stay opaque (the CPU backend stores K transposed
 in an ISA-specific packing): whole blocks are copied, never token slices.
 
+Copies are batched: ``gather_blocks``/``scatter_blocks`` move a whole step's blocks with one
+``index_select``/``index_copy_`` per layer, or one in all when the layers are evenly spaced
+views of one allocation (vLLM 0.32 carves every layer out of one backing tensor): then a
+fused ``[B, L, H, N, C]`` view addresses "block b, all layers" and each batch is one op.
+
 Anything the adapter cannot account for exactly (several KV cache groups, a padded page, a
 view whose shape disagrees with the cache config, an unknown layout name) stops start-up with
 ``UnsupportedLayout``; its bytes are never guessed. This module imports torch, not vllm.
@@ -64,8 +69,15 @@ class KVLayout:
         first = self._layers[0].view
         self.page_shape = tuple(first.shape[1:])
         self.dtype = first.dtype
+        self.device = first.device
         self.page_bytes = first[0].numel() * first.element_size()
         self.block_bytes = self.page_bytes * len(self._layers)
+        self._fused = fused_view([layer.view for layer in self._layers])
+
+    @property
+    def fused(self) -> bool:
+        """Whether one op moves all layers of a batch of blocks (see ``fused_view``)."""
+        return self._fused is not None
 
     @property
     def num_layers(self) -> int:
@@ -95,14 +107,53 @@ class KVLayout:
     def gather(self, block_id: int, out: np.ndarray) -> None:
         """Copy every layer of engine block ``block_id`` into ``out`` (uint8, block_bytes)."""
         flat = self._flat(out)
+        if self._fused is not None:
+            self._block(flat).copy_(self._fused[block_id])
+            return
         for i, layer in enumerate(self._layers):
             self._page(flat, i).copy_(layer.view[block_id])
 
     def scatter(self, block_id: int, data: np.ndarray) -> None:
         """Copy ``data`` (uint8, block_bytes) into every layer of engine block ``block_id``."""
         flat = self._flat(data)
+        if self._fused is not None:
+            self._fused[block_id].copy_(self._block(flat))
+            return
         for i, layer in enumerate(self._layers):
             layer.view[block_id].copy_(self._page(flat, i))
+
+    def gather_blocks(self, block_ids: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy engine blocks ``block_ids`` (int64, n) into the rows of ``out`` (uint8,
+        ``[n, block_bytes]``, contiguous, on the cache's device): row j = block_ids[j]'s bytes.
+        One op per layer, or one in all when fused. Asynchronous on a CUDA stream."""
+        stage = self._stage(block_ids, out)
+        if self._fused is not None:
+            torch.index_select(self._fused, 0, block_ids, out=stage)
+            return
+        for i, layer in enumerate(self._layers):
+            torch.index_select(layer.view, 0, block_ids, out=stage[:, i])
+
+    def scatter_blocks(self, block_ids: torch.Tensor, data: torch.Tensor) -> None:
+        """Copy the rows of ``data`` (as in ``gather_blocks``) into engine blocks
+        ``block_ids``, which must be distinct. One op per layer, or one in all when fused."""
+        stage = self._stage(block_ids, data)
+        if self._fused is not None:
+            self._fused.index_copy_(0, block_ids, stage)
+            return
+        for i, layer in enumerate(self._layers):
+            layer.view.index_copy_(0, block_ids, stage[:, i])
+
+    def _stage(self, block_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        n = block_ids.numel()
+        if rows.dtype != torch.uint8 or tuple(rows.shape) != (n, self.block_bytes):
+            raise ValueError(
+                f"a batch of {n} blocks is uint8 [{n}, {self.block_bytes}], "
+                f"got {rows.dtype} {tuple(rows.shape)}"
+            )
+        return rows.view(self.dtype).view(n, self.num_layers, *self.page_shape)
+
+    def _block(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat.view(self.dtype).view(self.num_layers, *self.page_shape)
 
     def _flat(self, buf: np.ndarray) -> torch.Tensor:
         if buf.dtype != np.uint8 or buf.size != self.block_bytes:
@@ -112,6 +163,31 @@ class KVLayout:
     def _page(self, flat: torch.Tensor, layer: int) -> torch.Tensor:
         raw = flat[layer * self.page_bytes : (layer + 1) * self.page_bytes]
         return raw.view(self.dtype).view(self.page_shape)
+
+
+def fused_view(views: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """A ``[B, L, H, N, C]`` view over per-layer ``[B, H, N, C]`` views, when they are equal
+    in shape, dtype and strides, share one storage and start evenly spaced (layer l at
+    ``first + l * step``, ``step > 0``); else None. ``fused[b]`` is block b of every layer,
+    in the order of ``views``: for BLHNC one contiguous run, the kvkeep block as it is."""
+    first = views[0]
+    if len(views) == 1:
+        return first.unsqueeze(1)
+    size = first.element_size()
+    step, rest = divmod(views[1].data_ptr() - first.data_ptr(), size)
+    storage = first.untyped_storage().data_ptr()
+    for i, view in enumerate(views):
+        same = (view.shape, view.stride(), view.dtype) == (first.shape, first.stride(), first.dtype)
+        if not same or view.untyped_storage().data_ptr() != storage:
+            return None
+        if view.data_ptr() != first.data_ptr() + i * step * size:
+            return None
+    if rest or step <= 0:
+        return None
+    b, h, n, c = first.stride()
+    return first.as_strided(
+        (first.shape[0], len(views), *first.shape[1:]), (b, step, h, n, c), first.storage_offset()
+    )
 
 
 def _check_description(d: LayoutDescription) -> None:

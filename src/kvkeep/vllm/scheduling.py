@@ -54,6 +54,8 @@ class ConnectorConfig:
     timeout_s: float = 1.0
     max_backoff_s: float = 5.0
     audit: bool = False  # debug: compare blocks vLLM computes again with their stored copy
+    # host memory per worker for saves on their way to the server; None: two full steps
+    staging_mib: float | None = None
 
     def __post_init__(self) -> None:
         if not self.socket:
@@ -62,6 +64,8 @@ class ConnectorConfig:
             raise ValueError(f"timeout_s must lie in (0, 60] seconds, got {self.timeout_s}")
         if not 0 < self.max_backoff_s <= 600:
             raise ValueError(f"max_backoff_s must lie in (0, 600], got {self.max_backoff_s}")
+        if self.staging_mib is not None and not 1 <= self.staging_mib <= 65536:
+            raise ValueError(f"staging_mib must lie in [1, 65536] MiB, got {self.staging_mib}")
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> ConnectorConfig:
@@ -350,9 +354,11 @@ PROFILE_NAMES = (
     "verify_s",
     "copy_in_s",
     "release_rpc_s",
-    # worker, saves (after the forward): RESERVE, copies out; the commit thread: CRCs, COMMIT
-    "reserve_rpc_s",
+    # worker, saves: on the step only the batched copy out into staging rows; the saver's
+    # thread: RESERVE, rows into slots, checksums, COMMIT
     "copy_out_s",
+    "reserve_rpc_s",
+    "slot_copy_s",
     "checksum_s",
     "commit_rpc_s",
 )
@@ -367,6 +373,7 @@ COUNTER_NAMES = (
     "saved_tokens",
     "save_failures",
     "saves_dropped",
+    "saves_skipped_busy",
     "audit_blocks",
     "audit_mismatches",
     "unkeyable_lora",

@@ -62,6 +62,7 @@ class KVKeepPromMetrics(KVConnectorPromMetrics):
         "lookup_failures": "lookup_failed",
         "save_failures": "save_failed",
         "saves_dropped": "save_dropped_after_failed_load",  # blocks
+        "saves_skipped_busy": "save_skipped_staging_full",  # blocks
         "audit_blocks": "audit_block",
         "audit_mismatches": "audit_mismatch",
         "unkeyable_lora": "unkeyable_lora",

@@ -1,38 +1,33 @@
 """The connector's worker side: copies between the engine's KV blocks and arena slots.
 
-Loads run before the forward (ACQUIRE, verify, copy in, RELEASE); saves copy out after it and
-commit on a background thread; a step with a failed load saves nothing. See
-:mod:`kvkeep.vllm.connector` for the whole flow.
+Loads run before the forward (ACQUIRE, verify, copy in, RELEASE); saves copy out after it
+into staging memory and are stored by a background thread (:mod:`kvkeep.vllm.saver`); a step
+with a failed load saves nothing. See :mod:`kvkeep.vllm.connector` for the whole flow.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import queue
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from kvkeep.keys import BlockKey
 from kvkeep.server.client import CacheUnavailable, KVKeepClient, Session, SlotRef
-from kvkeep.store.base import checksum
-from kvkeep.vllm import compat
+from kvkeep.vllm import compat, cuda
 from kvkeep.vllm.layout import KVLayout
+from kvkeep.vllm.saver import Saver, staging_shape
 from kvkeep.vllm.scheduling import (
-    BlockTransfer,
     Counters,
     RequestLoad,
     StepPlan,
     timed,
 )
-
-if TYPE_CHECKING:
-    pass
+from kvkeep.vllm.transfer import Mover, region_of
 
 log = logging.getLogger("vllm.kvkeep")
 SUMMARY_EVERY_S = 10.0
@@ -55,14 +50,25 @@ def block_difference(stored: np.ndarray, engine: np.ndarray, dtype: Any) -> floa
 
 class WorkerSide:
     """Copies between the engine's KV blocks and arena slots. Loads are synchronous and run
-    before the forward; saves copy synchronously and commit in the background."""
+    before the forward; saves copy out on the step and are stored in the background.
+
+    ``client`` serves loads (on the step); saves use a second connection of their own
+    (``client.sibling()``), so a step's ACQUIRE never queues behind a background COMMIT."""
 
     def __init__(
-        self, vllm_config: Any, kv_cache_config: Any, client: KVKeepClient, audit: bool = False
+        self,
+        vllm_config: Any,
+        kv_cache_config: Any,
+        client: KVKeepClient,
+        audit: bool = False,
+        staging_bytes: int | None = None,
     ) -> None:
         self.vllm_config, self.kv_cache_config = vllm_config, kv_cache_config
         self.client = client
         self.audit = audit
+        self.staging_bytes = staging_bytes
+        self.saver: Saver | None = None
+        self.mover = Mover()
         self.tp_rank, _ = compat.tp_rank_size(vllm_config)
         self.layout: KVLayout | None = None
         self.counters = Counters()
@@ -70,23 +76,28 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._failed_this_step = False
         self._sessions: dict[bytes, Session] = {}
-        self._commits: queue.Queue[tuple[Session, list[SlotRef]] | None] = queue.Queue(64)
-        self._committer = threading.Thread(target=self._commit_loop, name="kvkeep-commit")
-        self._committer.daemon = True
-        self._committer.start()
         self._last_summary = time.monotonic()
 
     def register(self, kv_caches: dict[str, Any]) -> None:
         """Build the layout adapter; an unsupported layout raises here and stops start-up."""
         description = compat.layout_description(self.vllm_config, self.kv_cache_config)
         self.layout = KVLayout.build(description, kv_caches)
+        self.mover = cuda.mover_for(self.layout)
+        steps = compat.step_blocks(self.vllm_config, description.block_size)
+        shape = staging_shape(steps, self.layout.block_bytes, self.staging_bytes)
+        self.saver = Saver(
+            self.client.sibling(), self.layout, self._count, self._timed, shape, self.mover
+        )
         log.info(
-            "kvkeep: %d layers, %s pages of %d bytes (%s), %d-byte blocks",
+            "kvkeep: %d layers, %s pages of %d bytes (%s), %d-byte blocks, %s copies, "
+            "staging %d x %d blocks",
             self.layout.num_layers,
             description.layout,
             self.layout.page_bytes,
             self.layout.dtype,
             self.layout.block_bytes,
+            "fused" if self.layout.fused else "per-layer",
+            *shape,
         )
 
     def _session(self, plan: StepPlan) -> Session:
@@ -119,31 +130,49 @@ class WorkerSide:
         self._maybe_summarize()
 
     def _load_request(self, plan: StepPlan, request: RequestLoad) -> int:
-        """How many leading blocks of ``request`` were copied in and verified."""
+        """How many leading blocks of ``request`` were verified and copied in (0 when the copy
+        itself failed: a batched copy may have written any of them)."""
         if self.layout is None:
             return 0
         slots: list[SlotRef] = []
         corrupt: list[SlotRef] = []
-        done = 0
+        good = 0
         try:
             session = self._session(plan)
             with self._timed("acquire_rpc_s"):
                 slots = self.client.acquire(session, [b.key for b in request.blocks])
-            for block, slot in zip(request.blocks, slots, strict=False):
-                if slot.key != block.key or not self._verify(slot):
-                    log.warning("kvkeep: block %s failed its checksum", block.key.hex()[:12])
-                    # Report every bad one of the rest too (this path is rare): the server
-                    # drops them, so one pass is enough for loads or saves to replace them.
-                    corrupt = [s for s in slots[done:] if not self.client.verify(s)]
-                    break
-                with self._timed("copy_in_s"):
-                    self.layout.scatter(block.block_id, self.client.slot_view(slot))
-                done += 1
+            good = self._verified(request, slots)
+            if good < len(slots):
+                log.warning("kvkeep: block %s failed its checksum", slots[good].key.hex()[:12])
+                # Report every bad one of the rest too (this path is rare): the server drops
+                # them, so one pass is enough for loads or saves to replace them.
+                corrupt = [s for s in slots[good:] if not self.client.verify(s)]
+            self._copy_in(request, slots[:good])
         except Exception as exc:
-            log.warning("kvkeep: load of %s stopped after %d blocks: %s", request.req_id, done, exc)
+            log.warning("kvkeep: load of %s failed (%d blocks verified): %s", request.req_id,
+                        good, exc)  # fmt: skip
+            good = 0
         finally:
             self._release(slots, corrupt)
-        return done
+        return good
+
+    def _verified(self, request: RequestLoad, slots: Sequence[SlotRef]) -> int:
+        """How many leading slots hold their block's key and pass their checksum."""
+        for i, (block, slot) in enumerate(zip(request.blocks, slots, strict=False)):
+            if slot.key != block.key or not self._verify(slot):
+                return i
+        return len(slots)
+
+    def _copy_in(self, request: RequestLoad, slots: Sequence[SlotRef]) -> None:
+        assert self.layout is not None
+        mapping = self.client.arena_mapping()
+        if mapping is not None:
+            self.mover.pin_arena(region_of(*mapping))
+        views = [self.client.slot_view(s) for s in slots]
+        with self._timed("copy_in_s"):
+            self.mover.scatter(
+                self.layout, [b.block_id for b in request.blocks[: len(slots)]], views
+            )
 
     def _release(self, slots: Sequence[SlotRef], corrupt: Sequence[SlotRef] = ()) -> None:
         if not slots:
@@ -177,54 +206,35 @@ class WorkerSide:
         self.save(plan)
 
     def save(self, plan: StepPlan) -> None:
-        """Copy newly full blocks into reserved slots; commits happen in the background.
-        Blocks the server already holds are not written. Never raises."""
-        if self.layout is None:
+        """Copy newly full blocks out of the KV cache into staging memory; the saver stores
+        them in the background. Never raises, never waits for the cache server."""
+        if self.layout is None or self.saver is None:
             return
         t0 = time.perf_counter()
         try:
             session = self._session(plan)
-            self._save(session, plan.saves, plan.namespace.block_size)
+            if self.audit:
+                self._audit(session, {b.key: b.block_id for b in plan.saves})
+            self.saver.stage(session, plan.saves)
         except Exception as exc:
             self._count("save_failures", 1)
             log.debug("kvkeep: save skipped: %s", exc)
         self._count("save_s", time.perf_counter() - t0)
         self._maybe_summarize()
 
-    def _save(self, session: Session, saves: Sequence[BlockTransfer], block_size: int) -> None:
-        assert self.layout is not None
-        by_key: dict[BlockKey, int] = {}
-        for block in saves:
-            by_key.setdefault(block.key, block.block_id)
-        keys = list(by_key)
-        with self._timed("reserve_rpc_s"):
-            slots = self.client.reserve(session, keys)
-        try:
-            with self._timed("copy_out_s"):
-                for slot in slots:
-                    self.layout.gather(by_key[slot.key], self.client.slot_view(slot))
-        except Exception:
-            self._release(slots)
-            raise
-        self._count("saved_tokens", len(slots) * block_size)
-        if slots:
-            self._enqueue_commit(session, slots)
-        if self.audit:
-            reserved = {slot.key for slot in slots}
-            self._audit(session, {k: b for k, b in by_key.items() if k not in reserved})
-
     # debugging -----------------------------------------------------------------------------
 
-    def _audit(self, session: Session, computed_again: dict[BlockKey, int]) -> None:
-        """Compare blocks vLLM computed although kvkeep holds them with the stored copy.
+    def _audit(self, session: Session, computed: dict[BlockKey, int]) -> None:
+        """Compare blocks vLLM computed although kvkeep holds them with the stored copy
+        (one ACQUIRE per block, on the step: a debugging aid, not for production).
 
         A difference of numeric drift (chunked attention adds in another order) is the
         expected case and logged at INFO; anything else is a fault and logged as a warning.
         The stored copy is what later hits get: kvkeep keeps the first copy it was given.
         """
         assert self.layout is not None
-        keys = list(computed_again)
-        slots = self.client.acquire(session, keys) if keys else []
+        slots = [s for key in computed for s in self.client.acquire(session, [key])]
+        computed_again = {s.key: computed[s.key] for s in slots}
         try:
             engine = np.empty(self.layout.block_bytes, dtype=np.uint8)
             for slot in slots:
@@ -238,30 +248,6 @@ class WorkerSide:
                         "from vLLM's by at most %.4g", slot.key.hex()[:12],
                         computed_again[slot.key], worst)  # fmt: skip
         finally:
-            self._release(slots)
-
-    def _enqueue_commit(self, session: Session, slots: list[SlotRef]) -> None:
-        try:
-            self._commits.put_nowait((session, slots))
-        except queue.Full:
-            self._commit(session, slots)  # back-pressure: commit on this thread
-
-    def _commit_loop(self) -> None:
-        while True:
-            item = self._commits.get()
-            if item is None:
-                return
-            self._commit(*item)
-
-    def _commit(self, session: Session, slots: list[SlotRef]) -> None:
-        try:
-            with self._timed("checksum_s"):
-                crcs = [checksum(self.client.slot_view(s).data) for s in slots]
-            with self._timed("commit_rpc_s"):
-                self.client.commit(session, slots, crcs)
-        except Exception as exc:
-            self._count("save_failures", 1)
-            log.debug("kvkeep: commit failed: %s", exc)
             self._release(slots)
 
     # bookkeeping ---------------------------------------------------------------------------
@@ -291,7 +277,7 @@ class WorkerSide:
         )
 
     def shutdown(self) -> None:
-        with contextlib.suppress(queue.Full):
-            self._commits.put(None, timeout=1.0)
-        self._committer.join(timeout=5.0)
+        """Store what is staged (bounded by the RPC timeouts), then close both connections."""
+        if self.saver is not None:
+            self.saver.shutdown()
         self.client.close()

@@ -57,7 +57,6 @@ class CacheServer:
         name: str = "cache",
         directory: Path | None = None,
     ) -> None:
-        self.spec, self.store = spec, store
         self.directory = directory or Path(tempfile.mkdtemp(prefix=f"kvkeep-{name}-"))
         cfg = CacheServerConfig(self.directory, spec.ram, spec.disk, None, spec.args(store))
         self.proc = CacheServerProcess(cfg)

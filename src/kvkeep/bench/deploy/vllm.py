@@ -5,9 +5,10 @@ engine with only the cache configuration changed:
 
 - `none`:  prefix caching off; every prompt token is computed every turn.
 - `vllm`:  vLLM's own prefix cache in the engine's KV pool (its default).
-- `kvkeep`: vLLM's prefix cache plus the kvkeep connector and cache server. The launcher
-  uses the cache server at `LaunchConfig.cache_socket`, or starts a private one (`CacheSpec()`)
-  for the vLLM server's lifetime; a `CacheServer` the caller holds outlives vLLM restarts.
+- `kvkeep`: vLLM's prefix cache plus the kvkeep connector and cache server, with the
+  scheduling arguments `kvkeep serve` sets wherever the config leaves them open. The launcher
+  uses the cache server at `LaunchConfig.cache_socket`, which the caller starts (the mode loop's
+  `deployment`: the one cache-server setup), so it outlives vLLM restarts.
 
 Everything else is pinned identically across modes. In particular the CPU build reserves one
 more core per worker as soon as any KV connector is configured, which on a 2-core machine
@@ -25,21 +26,20 @@ from __future__ import annotations
 import atexit
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
 from kvkeep.bench.deploy import exit_on_sigterm
-from kvkeep.bench.deploy.cache import CacheServer
-from kvkeep.serve import kv_transfer_args, stop_process_group
+from kvkeep.serve import kv_transfer_args, serve_defaults, stop_process_group, with_defaults
+from kvkeep.store.redis_process import free_port
 
 SERVED_MODEL_NAME = "kvkeep-tiny"
 LOG_TAIL_LINES = 30
@@ -75,25 +75,32 @@ class LaunchConfig:
     num_blocks: int | None = None
     max_model_len: int = 32768
     max_num_batched_tokens: int | None = None
+    # vLLM's --long-prefill-token-threshold; 0 is vLLM's default (no cap). None: the mode's
+    # default, which in mode kvkeep is `kvkeep serve`'s (serve.CPU_SCHEDULING), as is the
+    # budget when max_num_batched_tokens is None.
+    long_prefill_token_threshold: int | None = None
     reserved_cpus: int = 0
     log_dir: Path = Path(".cache/logs")
     ready_timeout_s: float = 300.0
     extra_args: tuple[str, ...] = ()
     extra_env: tuple[tuple[str, str], ...] = field(default=())
-    # Mode kvkeep: the cache server's socket (None: start a private one, CacheSpec()).
-    cache_socket: str | None = None
+    cache_socket: str | None = None  # mode kvkeep: the cache server's socket (required)
     cache_audit: bool = False  # the connector compares recomputed blocks with stored ones
 
     def validate(self) -> None:
         """Raise ValueError naming the setting to change."""
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.mode == "kvkeep" and self.cache_socket is None:
+            raise ValueError("mode kvkeep needs a running cache server's socket (cache_socket)")
         if not (self.model / "config.json").is_file():
             raise ValueError(
                 f"{self.model} has no config.json; create one with `kvkeep model tiny {self.model}`"
             )
         if self.kv_pool_gib <= 0:
             raise ValueError("kv_pool_gib must be positive")
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be 0 (no cap) or positive")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError("num_blocks must be at least 2")
         _check_real_weights(self.model, self.extra_args)
@@ -121,13 +128,6 @@ def _check_real_weights(model: Path, extra_args: Sequence[str]) -> None:
             )
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def build_command(cfg: LaunchConfig, port: int) -> tuple[list[str], dict[str, str]]:
     """The argv and environment that start vLLM for `cfg` on `port`. Pure function."""
     argv = [
@@ -150,30 +150,29 @@ def build_command(cfg: LaunchConfig, port: int) -> tuple[list[str], dict[str, st
         argv += ["--num-gpu-blocks-override", str(cfg.num_blocks)]
     if cfg.max_num_batched_tokens is not None:
         argv += ["--max-num-batched-tokens", str(cfg.max_num_batched_tokens)]
+    if cfg.long_prefill_token_threshold is not None:
+        argv += ["--long-prefill-token-threshold", str(cfg.long_prefill_token_threshold)]
     argv += list(MODES[cfg.mode].args)
     env = dict(os.environ)
     env.update(
-        VLLM_CPU_KVCACHE_SPACE=_gib_arg(cfg.kv_pool_gib),
+        VLLM_CPU_KVCACHE_SPACE=f"{cfg.kv_pool_gib:g}",  # 1.0 -> "1"
         VLLM_CPU_NUM_OF_RESERVED_CPU=str(cfg.reserved_cpus),
         VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "INFO"),
         TOKENIZERS_PARALLELISM="false",
         VLLM_SERVER_DEV_MODE="1",
     )
-    if cfg.mode == "kvkeep":
-        if cfg.cache_socket is None:
-            raise ValueError("mode kvkeep needs a cache server socket (LaunchConfig.cache_socket)")
+    if cfg.mode == "kvkeep" and cfg.cache_socket is not None:  # validate() requires it
         argv += kv_transfer_args(cfg.cache_socket, audit=cfg.cache_audit)
     argv += list(cfg.extra_args)
+    if cfg.mode == "kvkeep":  # what `kvkeep serve` runs, where the config leaves it open
+        argv = with_defaults(argv, serve_defaults(cpu=True))  # this launcher runs vLLM-cpu
     env.update(dict(cfg.extra_env))
     return argv, env
 
 
-def _gib_arg(gib: float) -> str:
-    return str(int(gib)) if float(gib).is_integer() else str(gib)
-
-
 class VLLMServer:
-    """A vLLM server. Use `launch()` or `start()`; always `stop()` (idempotent).
+    """A vLLM server: ``with VLLMServer(cfg) as server`` (a ready server for the block, stopped
+    afterwards whatever happens), or `start()` and always `stop()` (idempotent).
 
     `restart()` replaces the process in place, on a new port: read `url` after it. Another
     thread may call `current()` meanwhile, which waits until the new one answers; a request
@@ -186,7 +185,6 @@ class VLLMServer:
         self.proc: subprocess.Popen[bytes] | None = None
         self.ready_s: float | None = None
         self.generation = 0
-        self._cache: CacheServer | None = None
         self._up = threading.Event()
         self._lock = threading.Lock()  # url and generation change together
         self._new_port()
@@ -200,12 +198,14 @@ class VLLMServer:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
+    @property
+    def running(self) -> bool:
+        """Started and not exited (nor stopped)."""
+        return self.proc is not None and self.proc.poll() is None
+
     def start(self) -> VLLMServer:
         """Start vLLM and block until `/v1/models` answers. Raises LaunchError on failure."""
         exit_on_sigterm()
-        if self.cfg.mode == "kvkeep" and self.cfg.cache_socket is None:
-            self._cache = CacheServer(name="private").start()
-            self.cfg = replace(self.cfg, cache_socket=self._cache.socket)
         argv, env = build_command(self.cfg, self.port)
         self.cfg.log_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
@@ -226,14 +226,14 @@ class VLLMServer:
         return self
 
     def restart(self, stop_timeout_s: float = 20.0) -> float:
-        """Stop vLLM (not a private cache server) and start it again on a new port; returns
+        """Stop vLLM and start it again on a new port (the cache server keeps running); returns
         the seconds from the stop to the new one answering. Raises LaunchError."""
         t0 = time.monotonic()
         with self._lock:
             self._up.clear()
             self.generation += 1
         try:
-            self._stop_vllm(stop_timeout_s)
+            self.stop(stop_timeout_s)
             with self._lock:
                 self._new_port()
             self.start()
@@ -282,16 +282,7 @@ class VLLMServer:
         )
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        """Stop the server and its children: SIGTERM to its group, SIGKILL after timeout_s.
-        A private cache server (mode kvkeep) is stopped after vLLM."""
-        try:
-            self._stop_vllm(timeout_s)
-        finally:
-            if self._cache is not None:
-                self._cache.close()
-                self._cache = None
-
-    def _stop_vllm(self, timeout_s: float) -> None:
+        """Stop the server and its children: SIGTERM to its group, SIGKILL after timeout_s."""
         _RUNNING.discard(self)
         # start_new_session made it a group leader: its EngineCore and workers go with it.
         stop_process_group(self.proc, timeout_s)
@@ -347,9 +338,3 @@ def log_tail(path: Path, lines: int) -> str:
     except FileNotFoundError:
         return ""
     return "\n".join(text.splitlines()[-lines:])
-
-
-def launch(cfg: LaunchConfig) -> VLLMServer:
-    """``with launch(cfg) as server``: a ready server for the block, stopped afterwards
-    whatever happens (a failed start stops what it started, then raises LaunchError)."""
-    return VLLMServer(cfg)

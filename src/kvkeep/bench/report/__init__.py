@@ -1,9 +1,10 @@
 """Reports from scenario results: `report.md`, `report.html`, `results.json` and PNG files.
 
-A results document is either one scenario (`{"scenario": NAME, "modes": {...}}`) or several
-(`{"scenarios": {NAME: {"scenario": NAME, "modes": {...}}}}`). Every number in a table is
-measured in the run that produced the document, except the column headed "study", which
-quotes the published study the benchmark reproduces.
+A results document (the JSON of the scenarios' result dataclasses, as `result.to_json` writes
+it, so a saved results.json renders the same) is either one scenario (`{"scenario": NAME,
+"modes": {...}}`) or several (`{"scenarios": {NAME: {"scenario": NAME, "modes": {...}}}}`).
+Every number in a table is measured in the run that produced the document, except the column
+headed "study", which quotes the published study the benchmark reproduces.
 
     __init__.py     markdown() and write_report()
     results.py      the document's two shapes, read alike; the scenarios that failed

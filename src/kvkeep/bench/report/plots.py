@@ -119,10 +119,33 @@ def plot_restart(doc: dict[str, Any], out: Path) -> list[Path]:
                      "S4: time to first token around restarts")  # fmt: skip
 
 
+def plot_replay(doc: dict[str, Any], out: Path) -> list[Path]:
+    """S7: the TTFT CDF per mode, and the hit rate by tier over the run."""
+    cdf, over_time = out / "replay_ttft_cdf.png", out / "replay_hit_rate_over_time.png"
+    with figure(cdf, "S7: time to first token, real sessions", "TTFT (s)", "requests") as ax:
+        for mode, r in doc["modes"].items():
+            ttfts = sorted(r.get("ttfts_s") or [])
+            ax.step(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], label=mode)
+        ax.set_xscale("log")
+        ax.legend()
+    title = "S7: hit rate by tier over time"
+    with figure(over_time, title, "seconds into the run", "hit rate (%)") as ax:
+        for mode, r in doc["modes"].items():
+            points = r.get("timeline") or []
+            for tier, style in (("device", "-"), ("kvkeep", "--")):
+                ys = [100 * p[f"{tier}_hit_rate"] for p in points]
+                if any(ys) or (tier == "device" and points):
+                    ax.plot([p["t_s"] for p in points], ys, style, label=f"{mode}: {tier}")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+    return [cdf, over_time]
+
+
 PLOTS: dict[str, Callable[[dict[str, Any], Path], list[Path]]] = {
     "restart": plot_restart,
     "session": plot_session,
     "ttft": plot_ttft,
     "capacity": plot_capacity,
     "agents": plot_agents,
+    "replay": plot_replay,
 }

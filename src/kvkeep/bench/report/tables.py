@@ -1,27 +1,18 @@
-"""One Markdown table per scenario (`TABLES`), and the study's claims side by side."""
+"""One Markdown table per scenario (`TABLES`), and the study's claims side by side.
+
+Most tables are a row per mode and a column per result field: a `Table` of `Column`s. A
+column names the field by its key in the results (the result dataclass's field name).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from kvkeep.bench.report.results import _raw_scenarios, scenarios
 
-# The study's figures (30-turn coding-agent session on a GPU; see DESIGN.md, S1 and S2).
-STUDY = {
-    "last_turn_prompt_tokens": "~115k",
-    "total_prompt_tokens": ">2M",
-    "max_turn_computed_tokens": "<=~10k (cached)",
-    "reread_ratio": "14x",
-    "ttft_cold_s": "1.35 s",
-    "ttft_warm_s": "~0.12 s",
-}
-
-
-def _table(header: list[str], rows: Iterable[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
+Format = Callable[[Any], str]
 
 
 def _int(v: Any) -> str:
@@ -36,22 +27,68 @@ def _x(v: Any) -> str:
     return "-" if v is None else f"{float(v):.1f}x"
 
 
+def _f1(v: Any) -> str:
+    return "-" if v is None else f"{float(v):.1f}"
+
+
+def _pct(v: Any) -> str:
+    return "-" if v is None else f"{100 * float(v):.1f}%"
+
+
+def _table(header: list[str], rows: Iterable[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Column:
+    label: str
+    key: str
+    fmt: Format = _s
+
+
+@dataclass(frozen=True)
+class Table:
+    """A row per mode (modes with an empty result are "not run" and left out)."""
+
+    head: str | Callable[[dict[str, Any]], str]
+    columns: tuple[Column, ...]
+    first: str = "mode"
+    not_run: str = ""  # why a mode's result is empty, said above the table
+
+    def __call__(self, doc: dict[str, Any]) -> str:
+        head = self.head if isinstance(self.head, str) else self.head(doc)
+        run = {m: r for m, r in doc["modes"].items() if r}
+        skipped = [m for m in doc["modes"] if m not in run]
+        if skipped and self.not_run:
+            head += f"Not run for {', '.join(skipped)}: {self.not_run}.\n\n"
+        rows = [[m, *(c.fmt(r.get(c.key)) for c in self.columns)] for m, r in run.items()]
+        return head + _table([self.first, *(c.label for c in self.columns)], rows)
+
+
+def _first(doc: dict[str, Any]) -> dict[str, Any]:
+    return next(iter(doc["modes"].values()), {})
+
+
+# The study's figures (30-turn coding-agent session on a GPU; see DESIGN.md, S1 and S2).
+SESSION_ROWS: tuple[tuple[str, str, Format, str], ...] = (
+    ("last_turn_prompt_tokens", "last turn: prompt tokens", _int, "~115k"),
+    ("total_prompt_tokens", "total prompt tokens (30 turns)", _int, ">2M"),
+    ("total_computed_tokens", "total tokens computed (re-read)", _int, ""),
+    ("max_turn_computed_tokens", "most tokens computed in one turn", _int, "<=~10k (cached)"),
+    ("reread_ratio", "prompt / computed", _x, "14x"),
+    ("ttft_mean_s", "mean TTFT", _s, ""),
+    ("last_turn_ttft_s", "last turn TTFT", _s, ""),
+    ("session_s", "session wall time", _s, ""),
+)
+
+
 def session_table(doc: dict[str, Any]) -> str:
+    """A row per figure, a column per mode (the study's figure beside them)."""
     modes = doc["modes"]
-    metrics: list[tuple[str, str, Callable[[Any], str]]] = [
-        ("last_turn_prompt_tokens", "last turn: prompt tokens", _int),
-        ("total_prompt_tokens", "total prompt tokens (30 turns)", _int),
-        ("total_computed_tokens", "total tokens computed (re-read)", _int),
-        ("max_turn_computed_tokens", "most tokens computed in one turn", _int),
-        ("reread_ratio", "prompt / computed", _x),
-        ("ttft_mean_s", "mean TTFT", _s),
-        ("last_turn_ttft_s", "last turn TTFT", _s),
-        ("session_s", "session wall time", _s),
-    ]
-    rows = [
-        [label, STUDY.get(key, ""), *(fmt(modes[m].get(key)) for m in modes)]
-        for key, label, fmt in metrics
-    ]
+    rows = [[label, study, *(fmt(modes[m].get(key)) for m in modes)]
+            for key, label, fmt, study in SESSION_ROWS]  # fmt: skip
     spec = doc.get("spec") or {}
     scale = f" at scale {spec['scale']}" if "scale" in spec else ""
     head = f"### S1: a {spec.get('turns', '?')}-turn coding-agent session{scale}\n\n"
@@ -59,171 +96,166 @@ def session_table(doc: dict[str, Any]) -> str:
 
 
 def ttft_table(doc: dict[str, Any]) -> str:
+    """A row per prompt size and mode."""
     modes = doc["modes"]
     sizes = sorted({int(s) for m in modes.values() for s in m["sizes"]})
-    rows = []
-    for size in sizes:
-        for m, res in modes.items():
-            r = res["sizes"].get(str(size), {})
-            rows.append(
-                [f"{size:,}", m, _s(r.get("cold_s")), _s(r.get("warm_s")), _x(r.get("speedup"))]
-            )
+    rows = [
+        [f"{size:,}", m, _s(r.get("cold_s")), _s(r.get("warm_s")), _x(r.get("speedup"))]
+        for size in sizes
+        for m, res in modes.items()
+        for r in [res["sizes"].get(str(size), {})]
+    ]
     head = (
         "### S2: time to first token, cold vs the same prompt again\n\n"
-        f"Study: {STUDY['ttft_cold_s']} cold, {STUDY['ttft_warm_s']} with the prefix cache.\n\n"
+        "Study: 1.35 s cold, ~0.12 s with the prefix cache.\n\n"
     )
     return head + _table(["prompt tokens", "mode", "cold", "warm", "cold / warm"], rows)
 
 
-def _pct(v: Any) -> str:
-    return "-" if v is None else f"{100 * float(v):.1f}%"
-
-
 def capacity_table(doc: dict[str, Any]) -> str:
-    modes = doc["modes"]
-    tiers = sorted({k for m in modes.values() for k in m if k.endswith("_hit_rate")})
-    tiers = [t for t in tiers if t not in ("device_hit_rate", "external_hit_rate")]
-    header = ["mode", "hit rate (all tiers)", "device", *(t[: -len("_hit_rate")] for t in tiers)]
-    rows = [
-        [m, _pct(r.get("hit_rate")), _pct(r.get("device_hit_rate")),
-         *(_pct(r.get(t)) for t in tiers), _s(r.get("ttft_s"))]
-        for m, r in modes.items()
-    ]  # fmt: skip
-    any_mode = next(iter(modes.values()))
+    """Hit rates by tier: whichever tiers the results have."""
+    tiers = sorted({k for m in doc["modes"].values() for k in m if k.endswith("_hit_rate")})
+    tiers = [t for t in tiers if t not in ("hit_rate", "device_hit_rate", "external_hit_rate")]
+    d = _first(doc)
     head = (
-        f"### S3: {any_mode.get('num_docs')} documents of {any_mode.get('doc_tokens')} tokens, "
-        f"{any_mode.get('k')}x the device pool, in tile order\n\n"
+        f"### S3: {d.get('num_docs')} documents of {d.get('doc_tokens')} tokens, "
+        f"{d.get('k')}x the device pool, in tile order\n\n"
         "Study: device hit rate 0%; CPU offload >99% at 164 ms.\n\n"
     )
-    return head + _table([*header, "TTFT"], rows)
+    columns = (Column("hit rate (all tiers)", "hit_rate", _pct),
+               Column("device", "device_hit_rate", _pct),
+               *(Column(t.removesuffix("_hit_rate"), t, _pct) for t in tiers),
+               Column("TTFT", "ttft_s"))  # fmt: skip
+    return Table(head, columns)(doc)
 
 
-def agents_table(doc: dict[str, Any]) -> str:
-    rows = [
-        [m, f"{r['turns_per_min']:.1f}", _s(r.get("mean_wait_s")), _s(r.get("late_turn_wait_s")),
-         _pct(r.get("cached_fraction")), f"{r.get('working_set_over_pool') or 0:.2f}"]
-        for m, r in doc["modes"].items()
-    ]  # fmt: skip
-    head = (
-        f"### S5: {_agents_title(doc)}\n\n"
-        "Study: ~8 turns/min without a cache, ~60 with; late-turn wait 104 s -> 2.1 s.\n\n"
-    )
-    header = ["mode", "turns/min", "mean wait", "late-turn wait", "cached", "working set / pool"]
-    return head + _table(header, rows)
+def _agents_head(doc: dict[str, Any]) -> str:
+    """ "### S5: 8 closed-loop agents, working set 2.80x the device pool (exceeds it)"."""
+    n, ratio = _first(doc).get("agents", ""), _first(doc).get("working_set_over_pool")
+    title = f"{n} concurrent closed-loop agents"
+    if ratio is not None:
+        fits = "exceeds it" if ratio > 1 else "fits in it"
+        title = f"{n} closed-loop agents, working set {ratio:.2f}x the device pool ({fits})"
+    study = "Study: ~8 turns/min without a cache, ~60 with; late-turn wait 104 s -> 2.1 s."
+    return f"### S5: {title}\n\n{study}\n\n"
 
 
-def _agents_title(doc: dict[str, Any]) -> str:
-    """ "8 closed-loop agents, working set 2.8x the device pool (exceeds it)"."""
-    any_mode: dict[str, Any] = next(iter(doc["modes"].values()), {})
-    n = any_mode.get("agents", "")
-    ratio = any_mode.get("working_set_over_pool")
-    if ratio is None:
-        return f"{n} concurrent closed-loop agents"
-    fits = "exceeds it" if ratio > 1 else "fits in it"
-    return f"{n} closed-loop agents, working set {ratio:.2f}x the device pool ({fits})"
+agents_table = Table(_agents_head, (
+    Column("turns/min", "turns_per_min", _f1), Column("mean wait", "mean_wait_s"),
+    Column("late-turn wait", "late_turn_wait_s"), Column("cached", "cached_fraction", _pct),
+    Column("working set / pool", "working_set_over_pool", lambda v: f"{v or 0:.2f}"),
+))  # fmt: skip
+
+hol_table = Table("### S6: a cached request alone and beside a large uncached prefill\n\n", (
+    Column("cached alone", "ttft_alone_s"), Column("beside prefill", "ttft_beside_prefill_s"),
+    Column("ratio", "ratio", _x), Column("prefill alone", "long_prefill_alone_s"),
+    Column("beside cached", "long_prefill_ttft_s"), Column("ratio", "long_prefill_ratio", _x),
+    Column("prefill budget", "max_num_batched_tokens", lambda v: str(v or "default")),
+    Column("long-prefill threshold", "long_prefill_token_threshold",
+           lambda v: str(v or "none")),
+))  # fmt: skip
+
+restart_table = Table(
+    "### S4: after a restart\n\nStudy: native caching is cold again; LMCache 99.9% hits at "
+    "141 ms, but restarts 20-30 s slower.\n\n", (
+    Column("cold", "cold_ttft_s"), Column("warm", "warm_ttft_s"),
+    Column("hits after vLLM restart", "after_engine_restart_hit_rate", _pct),
+    Column("TTFT", "after_engine_restart_ttft_s"),
+    Column("hits after cache server restart (SIGTERM, SIGKILL)",
+           "after_server_restart_hit_rate", _pct),
+    Column("TTFT", "after_server_sigkill_ttft_s"),
+    Column("vLLM restart to ready", "restart_ready_s"),
+), not_run="without a cache nothing survives")  # fmt: skip
+
+replicas_table = Table("### Agents over replicas, turns routed round-robin\n\n", (
+    Column("turns/min", "turns_per_min", _f1), Column("hit rate", "hit_rate", _pct),
+    Column("device", "device_hit_rate", _pct), Column("remote", "remote_hit_rate", _pct),
+    Column("mean TTFT", "mean_ttft_s"),
+), first="store")  # fmt: skip
+
+remote_restart_table = Table(
+    "### A host lost and replaced: TTFT cold, from kvkeep RAM, from the remote tier\n\n", (
+    Column("cold", "cold_ttft_s"), Column("RAM hit", "ram_ttft_s"),
+    Column("remote hit", "remote_ttft_s"), Column("remote hit rate", "remote_hit_rate", _pct),
+    Column("KV bytes/token", "kv_bytes_per_token", lambda v: "-" if v is None else str(v)),
+))  # fmt: skip
 
 
-def hol_table(doc: dict[str, Any]) -> str:
-    rows = [
-        [m, _s(r["ttft_alone_s"]), _s(r["ttft_beside_prefill_s"]), _x(r.get("ratio")),
-         str(r.get("max_num_batched_tokens") or "default")]
-        for m, r in doc["modes"].items()
-    ]  # fmt: skip
-    head = "### S6: a cached request alone and beside a large uncached prefill\n\n"
-    return head + _table(["mode", "alone", "beside prefill", "ratio", "prefill budget"], rows)
+def _replay_head(doc: dict[str, Any]) -> str:
+    d = _first(doc)
+    spec, ratio = d.get("spec") or {}, d.get("working_set_over_pool")
+    pool = f", working set {ratio:.1f}x the device pool" if ratio else ""
+    return (f"### S7: {d.get('sessions', '?')} real Claude Code sessions, closed loop{pool}\n\n"
+            f"{spec.get('block_tokens', '?')} tokens per 64-token trace block; pauses x "
+            f"{spec.get('time_scale', '?')}; {d.get('requests', '?')} requests.\n\n")  # fmt: skip
 
 
-def restart_table(doc: dict[str, Any]) -> str:
-    rows = [
-        [m, _s(r.get("cold_ttft_s")), _s(r.get("warm_ttft_s")),
-         _pct(r.get("after_engine_restart_hit_rate")), _s(r.get("after_engine_restart_ttft_s")),
-         _pct(r.get("after_server_restart_hit_rate")), _s(r.get("after_server_sigkill_ttft_s")),
-         _s(r.get("restart_ready_s"))]
-        for m, r in doc["modes"].items() if r
-    ]  # fmt: skip
-    skipped = [m for m, r in doc["modes"].items() if not r]
-    head = (
-        "### S4: after a restart\n\n"
-        "Study: native caching is cold again; LMCache 99.9% hits at 141 ms, but restarts "
-        "20-30 s slower.\n\n"
-    )
-    if skipped:
-        head += f"Not run for {', '.join(skipped)}: without a cache nothing survives.\n\n"
-    header = ["mode", "cold", "warm", "hits after vLLM restart", "TTFT", "hits after cache "
-              "server restart (SIGTERM, SIGKILL)", "TTFT", "vLLM restart to ready"]  # fmt: skip
-    return head + _table(header, rows)
+replay_table = Table(_replay_head, (
+    Column("prompt tokens", "prompt_tokens", _int),
+    Column("cached: device", "device_cached_tokens", _int),
+    Column("cached: kvkeep", "kvkeep_cached_tokens", _int),
+    Column("computed", "computed_tokens", _int), Column("hit rate", "hit_rate", _pct),
+    Column("TTFT p50", "ttft_p50_s"), Column("p90", "ttft_p90_s"), Column("p99", "ttft_p99_s"),
+    Column("requests/min", "requests_per_min", _f1),
+    Column("session wall", "session_wall_s_mean"),
+))  # fmt: skip
+
+# (claim, the study's figure, scenario, key path in its result, format)
+CLAIMS: tuple[tuple[str, str, str, tuple[str, ...], Format], ...] = (
+    ("S1 last turn: tokens computed", "115k -> <=10k", "session",
+     ("last_turn_computed_tokens",), _int),
+    ("S1 session: tokens computed in total", ">2M -> ~145k", "session",
+     ("total_computed_tokens",), _int),
+    ("S1 prompt / computed", "14x", "session", ("reread_ratio",), _x),
+    ("S2 TTFT, {big:,}-token prompt again", "1.35 s -> ~120 ms", "ttft",
+     ("sizes", "{big}", "warm_s"), _s),
+    ("S3 device hit rate, docs 4x pool", "0%", "capacity", ("device_hit_rate",), _pct),
+    ("S3 hit rate, all tiers", ">99% (offload)", "capacity", ("hit_rate",), _pct),
+    ("S3 TTFT", "164 ms", "capacity", ("ttft_s",), _s),
+    ("S4 hit rate after vLLM restart", "0% native, 99.9% LMCache", "restart",
+     ("after_engine_restart_hit_rate",), _pct),
+    ("S4 TTFT after vLLM restart", "141 ms (LMCache)", "restart",
+     ("after_engine_restart_ttft_s",), _s),
+    ("S4 hit rate after cache-server restart", "(not measured)", "restart",
+     ("after_server_restart_hit_rate",), _pct),
+    ("S4 vLLM restart to ready", "+20-30 s with LMCache", "restart", ("restart_ready_s",), _s),
+    ("S5 turns/min, agents > pool", "~8 -> ~60", "agents", ("turns_per_min",), _f1),
+    ("S5 late-turn wait", "104 s -> 2.1 s", "agents", ("late_turn_wait_s",), _s),
+    ("S6 cached TTFT beside a big prefill / alone", "'still waits'", "hol", ("ratio",), _x),
+    ("S6 the big prefill's TTFT beside it / alone", "(not measured)", "hol",
+     ("long_prefill_ratio",), _x),
+    # S7's "study" figures quote issue 15's LRU simulation of 40 real sessions (94% with
+    # 3.2M tokens of room, 17% with 320k), not a measurement.
+    ("S7 real coding-agent sessions: hit rate", "94% with room, 17% without", "replay",
+     ("hit_rate",), _pct),
+    ("S7 device hit rate (working set >= 3x pool)", "-", "replay", ("device_hit_rate",), _pct),
+    ("S7 TTFT p50", "-", "replay", ("ttft_p50_s",), _s),
+    ("S7 TTFT p99", "-", "replay", ("ttft_p99_s",), _s),
+)  # fmt: skip
 
 
-def _get(doc: dict[str, Any], scenario: str, mode: str, *path: str) -> Any:
-    node: Any = scenarios(doc).get(scenario, {}).get("modes", {}).get(mode)
+def _get(node: Any, path: Iterable[str]) -> Any:
     for key in path:
-        if not isinstance(node, dict):
-            return None
-        node = node.get(key)
+        node = node.get(key) if isinstance(node, dict) else None
     return node
 
 
 def claims_table(doc: dict[str, Any]) -> str:
-    """One row per claim of the study: its figure, then each mode measured in this run."""
+    """One row per claim of the study: its figure, then each mode measured in this run
+    ("-" where that mode did not measure it)."""
+    docs = scenarios(doc)
     raw = _raw_scenarios(doc).values()
     modes = list(dict.fromkeys(m for d in raw for m in d.get("modes") or {}))
-    big = max((int(s) for m in modes for s in _get(doc, "ttft", m, "sizes") or {}), default=0)
-    rows_spec: list[tuple[str, str, Callable[[str], str]]] = [
-        ("S1 last turn: tokens computed", "115k -> <=10k",
-         lambda m: _int(_get(doc, "session", m, "last_turn_computed_tokens"))),
-        ("S1 session: tokens computed in total", ">2M -> ~145k",
-         lambda m: _int(_get(doc, "session", m, "total_computed_tokens"))),
-        ("S1 prompt / computed", "14x", lambda m: _x(_get(doc, "session", m, "reread_ratio"))),
-        (f"S2 TTFT, {big:,}-token prompt again", "1.35 s -> ~120 ms",
-         lambda m: _s(_get(doc, "ttft", m, "sizes", str(big), "warm_s"))),
-        ("S3 device hit rate, docs 4x pool", "0%",
-         lambda m: _pct(_get(doc, "capacity", m, "device_hit_rate"))),
-        ("S3 hit rate, all tiers", ">99% (offload)",
-         lambda m: _pct(_get(doc, "capacity", m, "hit_rate"))),
-        ("S3 TTFT", "164 ms", lambda m: _s(_get(doc, "capacity", m, "ttft_s"))),
-        ("S4 hit rate after vLLM restart", "0% native, 99.9% LMCache",
-         lambda m: _pct(_get(doc, "restart", m, "after_engine_restart_hit_rate"))),
-        ("S4 TTFT after vLLM restart", "141 ms (LMCache)",
-         lambda m: _s(_get(doc, "restart", m, "after_engine_restart_ttft_s"))),
-        ("S4 hit rate after cache-server restart", "(not measured)",
-         lambda m: _pct(_get(doc, "restart", m, "after_server_restart_hit_rate"))),
-        ("S4 vLLM restart to ready", "+20-30 s with LMCache",
-         lambda m: _s(_get(doc, "restart", m, "restart_ready_s"))),
-        ("S5 turns/min, agents > pool", "~8 -> ~60",
-         lambda m: _f1(_get(doc, "agents", m, "turns_per_min"))),
-        ("S5 late-turn wait", "104 s -> 2.1 s",
-         lambda m: _s(_get(doc, "agents", m, "late_turn_wait_s"))),
-        ("S6 cached TTFT beside a big prefill / alone", "'still waits'",
-         lambda m: _x(_get(doc, "hol", m, "ratio"))),
+    sizes = [int(s) for m in modes for s in _get(docs, ("ttft", "modes", m, "sizes")) or {}]
+    big = max(sizes, default=0)
+    rows = [
+        [claim.format(big=big), study,
+         *(fmt(_get(docs, (name, "modes", m, *(p.format(big=big) for p in path))))
+           for m in modes)]
+        for claim, study, name, path, fmt in CLAIMS
     ]  # fmt: skip
-    rows = [[claim, study, *(fmt(m) for m in modes)] for claim, study, fmt in rows_spec]
     head = "## The study's claims, measured side by side\n\n"
     return head + _table(["claim", "study", *modes], rows)
-
-
-def _f1(v: Any) -> str:
-    return "-" if v is None else f"{float(v):.1f}"
-
-
-def replicas_table(doc: dict[str, Any]) -> str:
-    rows = [
-        [m, f"{r['turns_per_min']:.1f}", _pct(r.get("hit_rate")), _pct(r.get("device_hit_rate")),
-         _pct(r.get("remote_hit_rate")), _s(r.get("mean_ttft_s"))]
-        for m, r in doc["modes"].items() if r
-    ]  # fmt: skip
-    head = "### Agents over replicas, turns routed round-robin\n\n"
-    return head + _table(["store", "turns/min", "hit rate", "device", "remote", "mean TTFT"], rows)
-
-
-def remote_restart_table(doc: dict[str, Any]) -> str:
-    rows = [
-        [m, _s(r.get("cold_ttft_s")), _s(r.get("ram_ttft_s")), _s(r.get("remote_ttft_s")),
-         _pct(r.get("remote_hit_rate")), str(r.get("kv_bytes_per_token", "-"))]
-        for m, r in doc["modes"].items()
-    ]  # fmt: skip
-    head = "### A host lost and replaced: TTFT cold, from kvkeep RAM, from the remote tier\n\n"
-    header = ["mode", "cold", "RAM hit", "remote hit", "remote hit rate", "KV bytes/token"]
-    return head + _table(header, rows)
 
 
 TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
@@ -236,4 +268,28 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
     "agents": agents_table,
     "agents_fit": agents_table,
     "hol": hol_table,
+    "replay": replay_table,
 }
+
+
+PROFILE_OPS = ("match", "lookup_rpc", "plan", "acquire_rpc", "verify", "copy_in",
+               "release_rpc", "copy_out", "reserve_rpc", "slot_copy", "checksum", "commit_rpc",
+               "load", "save")  # fmt: skip
+
+
+def profile_table(doc: dict[str, Any]) -> str:
+    """`--profile`: the connector's milliseconds per phase, in total and per finished request,
+    one row per scenario and mode that recorded a profile (mode kvkeep; the others are 0)."""
+    rows = []
+    for name, d in scenarios(doc).items():
+        for mode, result in (d.get("modes") or {}).items():
+            prof = result.get("profile") if isinstance(result, dict) else None
+            if not prof or not any(prof.get(op) for op in PROFILE_OPS):
+                continue
+            n = max(prof.get("requests", 0.0), 1.0)
+            cells = [f"{1e3 * prof.get(op, 0.0):.0f} / {1e3 * prof.get(op, 0.0) / n:.1f}"
+                     for op in PROFILE_OPS]  # fmt: skip
+            rows.append([name, mode, _int(prof.get("requests")), *cells])
+    head = ("### Connector profile (ms in total / ms per request; `load` and `save` are the "
+            "worker's whole step phases, the others their parts)\n\n")  # fmt: skip
+    return head + _table(["scenario", "mode", "requests", *PROFILE_OPS], rows)

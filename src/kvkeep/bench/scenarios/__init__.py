@@ -10,5 +10,6 @@
     store     the cache server's bandwidth and latency, no vLLM
 
 Each module offers ``add_args(parser)`` and ``build(args) -> list[Scenario]`` (raising
-ValueError for bad arguments), which `bench/cli.py` registers.
+ValueError for bad arguments), which `bench/cli.py` registers, and defines the frozen result
+dataclass its scenario's ``run`` returns; the field names are the keys of `results.json`.
 """

@@ -20,18 +20,57 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import operator
 import time
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
 from kvkeep.bench.context import RunContext
-from kvkeep.bench.http import run_agents, summarize_agents
-from kvkeep.bench.metrics import hit_split
+from kvkeep.bench.http import AgentsSummary, run_agents, summarize_agents
+from kvkeep.bench.metrics import HitRates, Probe, hit_split
+from kvkeep.bench.result import FLAT
 from kvkeep.bench.scenario import Needs
 from kvkeep.bench.scenarios import session
 from kvkeep.workload import SessionSpec, TokenCounter, generate_sessions
+
+
+@dataclass(frozen=True)
+class PoolFit:
+    """How the agents' working set compares with the device pool, where that is known."""
+
+    working_set_over_pool: float
+    pool_blocks: int
+
+
+@dataclass(frozen=True)
+class AgentsRun:
+    """What every agents run measures: the turns and where their hits came from."""
+
+    summary: AgentsSummary = field(metadata=FLAT)
+    rates: HitRates = field(metadata=FLAT)
+
+
+@dataclass(frozen=True)
+class AgentsResult(AgentsRun):
+    """Agents on one engine."""
+
+    cached_fraction: float
+    working_set_tokens: int
+    tool_delay_s: float
+    spec: SessionSpec
+    block_size: int
+    prompt_tokens: int
+    fit: PoolFit | None = field(default=None, metadata=FLAT)
+
+
+@dataclass(frozen=True)
+class ReplicasResult(AgentsRun):
+    """Agents whose turns go round-robin over replicas."""
+
+    replicas: int
+    shared_store: bool
+    routing: str = "round robin per turn"
 
 
 @dataclass
@@ -53,7 +92,7 @@ class AgentsScenario:
                      own_engine=True, replicas=self.replicas,
                      shared_store=self.shared_store)  # fmt: skip
 
-    def run(self, ctx: RunContext) -> dict[str, Any]:
+    def run(self, ctx: RunContext) -> AgentsResult | ReplicasResult:
         if self.agents < 1 or self.replicas < 1:
             raise ValueError("--agents and --replicas must be at least 1")
         sessions = generate_sessions(self.spec, self.counter, self.agents)
@@ -65,26 +104,17 @@ class AgentsScenario:
             results = asyncio.run(
                 run_agents(ctx.urls, sessions, self.tool_delay_s, lambda _: bar.update())
             )
-        wall = time.perf_counter() - t0
-        delta = functools.reduce(
-            lambda a, b: a + b, (p.delta(b) for p, b in zip(probes, before, strict=True))
-        )
-        out = summarize_agents(results, wall, self.agents)
+        summary = summarize_agents(results, time.perf_counter() - t0, self.agents)
+        delta = functools.reduce(operator.add, map(Probe.delta, probes, before))
         prompt = sum(r.prompt_tokens for r in results)
-        out.update(hit_split(delta, prompt, self.block_size))
+        rates = hit_split(delta, prompt)
         if self.replicas > 1:
-            out.update(replicas=self.replicas, shared_store=self.shared_store,
-                       routing="round robin per turn")  # fmt: skip
-            return out
-        out["cached_fraction"] = sum(r.cached_tokens for r in results) / prompt
-        out["working_set_tokens"] = self.agents * self.spec.final_target
-        if self.pool_tokens:
-            out["working_set_over_pool"] = out["working_set_tokens"] / self.pool_tokens
-        out.update(tool_delay_s=self.tool_delay_s, spec=asdict(self.spec),
-                   block_size=self.block_size, prompt_tokens=prompt)  # fmt: skip
-        if self.pool_tokens:
-            out["pool_blocks"] = self.pool_tokens // self.block_size
-        return out
+            return ReplicasResult(summary, rates, self.replicas, self.shared_store)
+        working_set, pool = self.agents * self.spec.final_target, self.pool_tokens
+        fit = PoolFit(working_set / pool, pool // self.block_size) if pool else None
+        return AgentsResult(summary, rates, sum(r.cached_tokens for r in results) / prompt,
+                            working_set, self.tool_delay_s, self.spec, self.block_size, prompt,
+                            fit)  # fmt: skip
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import time
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
 from kvkeep.bench.context import RunContext
-from kvkeep.bench.metrics import Probe
+from kvkeep.bench.metrics import HitRates, Probe, mean_rates
 from kvkeep.bench.prompts import documents, query
+from kvkeep.bench.result import FLAT
 from kvkeep.bench.scenario import Needs
 from kvkeep.workload import QUESTION_TOKENS
 
@@ -52,14 +53,37 @@ class CapacitySpec:
     def num_docs(self) -> int:
         return math.ceil(self.k * self.pool_blocks * self.block_size / self.doc_tokens)
 
-    @property
-    def max_model_len(self) -> int:
-        return self.doc_tokens + QUESTION_TOKENS + 64
+    def documents(self) -> list[list[int]]:
+        """`num_docs` distinct token-id documents, the same for the same seed."""
+        return documents(self.num_docs, self.doc_tokens, f"capacity:{self.seed}")
 
 
-def capacity_documents(spec: CapacitySpec) -> list[list[int]]:
-    """`num_docs` distinct token-id documents (deterministic in the seed)."""
-    return documents(spec.num_docs, spec.doc_tokens, f"capacity:{spec.seed}")
+@dataclass(frozen=True)
+class CapacityRound:
+    """Every document once; ``cacheable_tokens`` weighs the round's rates in the result's."""
+
+    round: int
+    rates: HitRates = field(metadata=FLAT)
+    ttft_s: float
+    ttft_p50_s: float
+    cacheable_tokens: int
+    wall_s: float
+
+
+@dataclass(frozen=True)
+class CapacityResult:
+    """The measured rounds (all but the first) together, and every round in full."""
+
+    rates: HitRates = field(metadata=FLAT)
+    ttft_s: float
+    rounds: list[CapacityRound]
+    num_docs: int
+    doc_tokens: int
+    pool_blocks: int
+    k: float
+    rounds_measured: int
+    question_tokens: int
+    block_size: int
 
 
 @dataclass
@@ -68,45 +92,28 @@ class CapacityScenario:
     name: str = "capacity"
 
     def needs(self) -> Needs:
-        return Needs(tokens=self.spec.max_model_len, num_blocks=self.spec.pool_blocks)
+        tokens = self.spec.doc_tokens + QUESTION_TOKENS + 64
+        return Needs(tokens=tokens, num_blocks=self.spec.pool_blocks)
 
-    def run(self, ctx: RunContext) -> dict[str, Any]:
-        self.spec.validate()
-        docs = capacity_documents(self.spec)
-        total = len(docs) * self.spec.rounds
-        with tqdm(total=total, desc="  capacity queries", leave=False) as bar:
-            rounds = [self._round(ctx.probe(), docs, r, bar) for r in range(self.spec.rounds)]
+    def run(self, ctx: RunContext) -> CapacityResult:
+        spec = self.spec
+        spec.validate()
+        docs = spec.documents()
+        with tqdm(total=len(docs) * spec.rounds, desc="  capacity queries", leave=False) as bar:
+            rounds = [self._round(ctx.probe(), docs, r, bar) for r in range(spec.rounds)]
         measured = rounds[1:]
-        return {
-            **_merge(measured),
-            "rounds": rounds,
-            "num_docs": len(docs),
-            "doc_tokens": self.spec.doc_tokens,
-            "pool_blocks": self.spec.pool_blocks,
-            "k": self.spec.k,
-            "rounds_measured": len(measured),
-            "question_tokens": QUESTION_TOKENS,
-            "block_size": self.spec.block_size,
-        }
+        return CapacityResult(
+            mean_rates([(r.rates, r.cacheable_tokens) for r in measured]),
+            statistics.fmean(r.ttft_s for r in measured), rounds, len(docs), spec.doc_tokens,
+            spec.pool_blocks, spec.k, len(measured), QUESTION_TOKENS, spec.block_size,
+        )  # fmt: skip
 
-    def _round(self, probe: Probe, docs: list[list[int]], r: int, bar: tqdm) -> dict[str, Any]:
+    def _round(self, probe: Probe, docs: list[list[int]], r: int, bar: tqdm) -> CapacityRound:
         """Every document once, with round ``r``'s question."""
         t0 = time.perf_counter()
         q = query(probe, docs, self.spec.block_size, salt=r, progress=bar.update)
-        ttfts, cacheable = q.pop("ttfts_s"), q.pop("cacheable")
-        return {"round": r, **q, "ttft_p50_s": sorted(ttfts)[len(ttfts) // 2],
-                "cacheable_tokens": cacheable, "wall_s": time.perf_counter() - t0}  # fmt: skip
-
-
-def _merge(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """Measured rounds combined: rates weighted by cacheable tokens, TTFT averaged."""
-    weight = sum(r["cacheable_tokens"] for r in rounds)
-    rate_keys = [k for k in rounds[0] if k.endswith("hit_rate")]
-    out: dict[str, Any] = {
-        k: sum(r[k] * r["cacheable_tokens"] for r in rounds) / weight for k in rate_keys
-    }
-    out["ttft_s"] = sum(r["ttft_s"] for r in rounds) / len(rounds)
-    return out
+        return CapacityRound(r, q.rates, q.ttft_s, statistics.median(q.ttfts_s), q.cacheable,
+                             time.perf_counter() - t0)  # fmt: skip
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -1,10 +1,18 @@
 """`kvkeep bench hol` (S6): a cached request next to a large uncached prefill.
 
-A short prompt is cached first, then its TTFT is measured alone and again while a large cold
-prompt is being prefilled. vLLM batches the two; with chunked prefill the short request waits
-at most for one chunk of the large one (`--max-num-batched-tokens`), without it for the whole
-prefill. The study notes that a cached request can still wait; this puts a number on it.
-With `--budgets`, each budget is its own deployment and its results are under `MODE@BUDGET`.
+A short prompt is cached first; then its TTFT is measured alone and again while a large cold
+prompt is being prefilled, and the large prompt's own TTFT alone and beside the short one, so
+that a fix which only moves the wait onto the large prompt shows. In mode kvkeep vLLM's
+device cache is emptied before each short request, so its tokens come from kvkeep's cache
+server: the number includes kvkeep's own load.
+
+Why it waits: vLLM schedules running requests first, and a running prefill takes the whole
+chunk budget (`--max-num-batched-tokens`) each step, so a new request waits for the whole
+prefill. `--long-prefill-token-threshold` caps what one prefill takes per step while another
+request waits (vLLM lifts the cap when the prefill runs alone). Mode kvkeep runs with the cap
+`kvkeep serve` sets; the other modes with vLLM's default (no cap) unless
+`--long-prefill-token-threshold` is given. With `--budgets`, each budget is its own
+deployment and its results are under `MODE@BUDGET`.
 """
 
 from __future__ import annotations
@@ -14,16 +22,38 @@ import asyncio
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import httpx
 
 from kvkeep.bench.context import RunContext
+from kvkeep.bench.deploy.vllm import build_command
+from kvkeep.bench.prompts import reset_device_cache
 from kvkeep.bench.scenario import Needs, parse_sizes
-from kvkeep.endpoint import complete_ids, discover_model
+from kvkeep.endpoint import StreamStats, complete_ids, discover_model
+from kvkeep.serve import flag_value
 from kvkeep.workload import random_ids
 
 REPEATS = 3
+
+
+@dataclass(frozen=True)
+class HOLResult:
+    """Medians over REPEATS. ``ratio`` is the cached request's TTFT beside the prefill over
+    alone; ``long_prefill_ratio`` the same for the large prompt. Scheduling values are those
+    vLLM was started with (None: vLLM's default, or unknown with `--endpoint`)."""
+
+    ttft_alone_s: float
+    ttft_beside_prefill_s: float
+    ratio: float | None
+    long_prefill_alone_s: float
+    long_prefill_ttft_s: float  # beside the cached request
+    long_prefill_ratio: float | None
+    short_cached_tokens: int  # as vLLM's usage reports them, beside the prefill
+    cached_from: str  # "kvkeep" (device cache emptied first) or "device"
+    short_tokens: int
+    long_tokens: int
+    max_num_batched_tokens: int | None
+    long_prefill_token_threshold: int | None
 
 
 @dataclass
@@ -38,35 +68,77 @@ class HOLScenario:
     def needs(self) -> Needs:
         return Needs(tokens=self.long_tokens + 64, max_num_batched_tokens=self.budget)
 
-    def run(self, ctx: RunContext) -> dict[str, Any]:
-        return asyncio.run(self._run(ctx.url))
+    def run(self, ctx: RunContext) -> HOLResult:
+        from_kvkeep = ctx.mode == "kvkeep"
+        times = asyncio.run(self._run(ctx.url, from_kvkeep))
+        return self._result(times, ctx, from_kvkeep)
 
     def _ids(self, n: int, salt: object) -> list[int]:
         return random_ids(n, f"hol:{self.seed}:{salt}")
 
-    async def _run(self, url: str) -> dict[str, Any]:
+    async def _run(self, url: str, from_kvkeep: bool) -> dict[str, list[StreamStats]]:
+        """Every timed request, by kind: short alone and beside, long alone and beside."""
         short = self._ids(self.short_tokens, "short")
+        out: dict[str, list[StreamStats]] = {"alone": [], "beside": [], "long": [], "both": []}
         async with httpx.AsyncClient() as client:
             model = await discover_model(client, url)
+
+            async def cached_short() -> StreamStats:
+                if from_kvkeep:  # from kvkeep's server, not vLLM's device cache
+                    await asyncio.to_thread(reset_device_cache, url)
+                return await complete_ids(client, url, model, short)
+
             await complete_ids(client, url, model, short)  # cache it
-            alone = [(await complete_ids(client, url, model, short)).ttft_s for _ in range(REPEATS)]
-            beside, long_ttft = [], []
+            for _ in range(REPEATS):
+                out["alone"].append(await cached_short())
             for i in range(REPEATS):
-                long_ids = self._ids(self.long_tokens, f"long:{i}:{time.time_ns()}")
-                big = asyncio.create_task(complete_ids(client, url, model, long_ids))
+                cold = self._ids(self.long_tokens, f"alone:{i}:{time.time_ns()}")
+                out["long"].append(await complete_ids(client, url, model, cold))
+            for i in range(REPEATS):
+                if from_kvkeep:
+                    await asyncio.to_thread(reset_device_cache, url)
+                cold = self._ids(self.long_tokens, f"long:{i}:{time.time_ns()}")
+                big = asyncio.create_task(complete_ids(client, url, model, cold))
                 await asyncio.sleep(self.head_start_s)
-                beside.append((await complete_ids(client, url, model, short)).ttft_s)
-                long_ttft.append((await big).ttft_s)
-        a, b = statistics.median(alone), statistics.median(beside)
-        return {
-            "ttft_alone_s": a,
-            "ttft_beside_prefill_s": b,
-            "ratio": b / a if a > 0 else None,
-            "long_prefill_ttft_s": statistics.median(long_ttft),
-            "short_tokens": self.short_tokens,
-            "long_tokens": self.long_tokens,
-            "max_num_batched_tokens": self.budget,
-        }
+                out["beside"].append(await complete_ids(client, url, model, short))
+                out["both"].append(await big)
+        return out
+
+    def _result(
+        self, times: dict[str, list[StreamStats]], ctx: RunContext, from_kvkeep: bool
+    ) -> HOLResult:
+        med = {k: statistics.median(s.ttft_s for s in v) for k, v in times.items()}
+        budget, threshold = _scheduling(ctx)
+        return HOLResult(
+            ttft_alone_s=med["alone"],
+            ttft_beside_prefill_s=med["beside"],
+            ratio=_ratio(med["beside"], med["alone"]),
+            long_prefill_alone_s=med["long"],
+            long_prefill_ttft_s=med["both"],
+            long_prefill_ratio=_ratio(med["both"], med["long"]),
+            short_cached_tokens=int(statistics.median(s.cached_tokens for s in times["beside"])),
+            cached_from="kvkeep" if from_kvkeep else "device",
+            short_tokens=self.short_tokens,
+            long_tokens=self.long_tokens,
+            max_num_batched_tokens=budget if budget is not None else self.budget,
+            long_prefill_token_threshold=threshold,
+        )
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b > 0 else None
+
+
+def _scheduling(ctx: RunContext) -> tuple[int | None, int | None]:
+    """(--max-num-batched-tokens, --long-prefill-token-threshold) vLLM was started with."""
+    if not ctx.engines:
+        return None, None
+    engine = ctx.engines[0]
+    argv = build_command(engine.cfg, engine.port)[0]
+    values = [flag_value(argv, f) for f in ("--max-num-batched-tokens",
+                                             "--long-prefill-token-threshold")]  # fmt: skip
+    budget, threshold = (int(v) if v else None for v in values)
+    return budget, threshold
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvkeep.bench.context import RunContext
-from kvkeep.bench.prompts import documents, query, reset_device_cache
+from kvkeep.bench.metrics import mean_rates
+from kvkeep.bench.prompts import Queried, documents, query, reset_device_cache
 from kvkeep.bench.scenario import Needs
 from kvkeep.plan.footprint import footprint_from_file
 from kvkeep.workload import QUESTION_TOKENS, random_ids
@@ -45,6 +46,56 @@ class RestartSpec:
     def tokens(self) -> int:
         return self.doc_tokens + QUESTION_TOKENS + 64
 
+    def documents(self, kind: str) -> list[list[int]]:
+        """This run's documents: new ones each run, so no cache holds them yet."""
+        self.validate()
+        return documents(self.docs, self.doc_tokens, f"{kind}:{self.seed}:{time.time_ns()}")
+
+
+@dataclass(frozen=True)
+class Requeried(Queried):
+    """Queried after a restart: the rates are every document's, the TTFTs all but the first
+    one's, which took the restart's one-off costs (``canary_ttft_s``)."""
+
+    canary_ttft_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class RestartResult:
+    """The figures the report reads (None: that restart is not run in this mode), and the
+    phases in full (``warmup``, ``warm``, ``after_engine_restart``, ``after_server_HOW``)."""
+
+    cold_ttft_s: float | None
+    warm_ttft_s: float | None
+    restart_ready_s: float
+    first_ready_s: float | None
+    after_engine_restart_hit_rate: float | None
+    after_engine_restart_ttft_s: float | None
+    after_server_sigterm_hit_rate: float | None
+    after_server_sigterm_ttft_s: float | None
+    after_server_sigkill_hit_rate: float | None
+    after_server_sigkill_ttft_s: float | None
+    after_server_restart_hit_rate: float | None  # the worse of SIGTERM and SIGKILL
+    phases: dict[str, Queried]
+
+
+def summarize(first_ready_s: float | None, restart_ready_s: float,
+              phases: dict[str, Queried]) -> RestartResult:  # fmt: skip
+    def get(phase: str, figure: str) -> float | None:
+        return getattr(phases[phase], figure) if phase in phases else None
+
+    hits = [get(f"after_server_{how}", "hit_rate") for how in SERVER_RESTARTS]
+    return RestartResult(
+        get("warmup", "ttft_s"), get("warm", "ttft_s"), restart_ready_s, first_ready_s,
+        get("after_engine_restart", "hit_rate"), get("after_engine_restart", "ttft_s"),
+        hits[0], get("after_server_sigterm", "ttft_s"),
+        hits[1], get("after_server_sigkill", "ttft_s"),
+        None if None in hits else min(h for h in hits if h is not None), phases,
+    )  # fmt: skip
+
+
+SERVER_RESTARTS = ("sigterm", "sigkill")
+
 
 @dataclass
 class RestartScenario:
@@ -54,52 +105,49 @@ class RestartScenario:
     def needs(self) -> Needs:
         return Needs(tokens=self.spec.tokens, modes=("vllm", "kvkeep"), own_engine=True)
 
-    def run(self, ctx: RunContext) -> dict[str, Any]:
+    def run(self, ctx: RunContext) -> RestartResult:
         """The whole sequence on the context's engine (and cache server), restarting both."""
-        self.spec.validate()
-        docs = documents(self.spec.docs, self.spec.doc_tokens, f"restart:{self.spec.seed}:"
-                         f"{time.time_ns()}")  # fmt: skip
-        out: dict[str, Any] = {"first_ready_s": ctx.engine.ready_s}
-        out["warmup"] = query(ctx.probe(), docs, self.spec.block_size)
-        out["warm"] = query(ctx.probe(), docs, self.spec.block_size)
-        out["restart_ready_s"] = ctx.engine.restart()
-        out["after_engine_restart"] = self._after_restart(ctx, docs)
-        if ctx.cache is not None:
-            for how in ("sigterm", "sigkill"):
-                ctx.cache.restart(how)
-                reset_device_cache(ctx.url)
-                out[f"after_server_{how}"] = self._after_restart(ctx, docs)
-        return flatten(out)
+        docs = self.spec.documents("restart")
+        phases = {"warmup": self._query(ctx, docs), "warm": self._query(ctx, docs)}
+        first_ready_s = ctx.engine.ready_s
+        restart_ready_s = ctx.engine.restart()
+        phases["after_engine_restart"] = self._after_restart(ctx, docs)
+        for how in SERVER_RESTARTS if ctx.caches else ():
+            ctx.cache.restart(how)
+            reset_device_cache(ctx.url)
+            phases[f"after_server_{how}"] = self._after_restart(ctx, docs)
+        return summarize(first_ready_s, restart_ready_s, phases)
 
-    def _after_restart(self, ctx: RunContext, docs: list[list[int]]) -> dict[str, Any]:
+    def _query(self, ctx: RunContext, docs: list[list[int]]) -> Queried:
+        return query(ctx.probe(), docs, self.spec.block_size)
+
+    def _after_restart(self, ctx: RunContext, docs: list[list[int]]) -> Requeried:
         """Query after a restart. The first request after any start is slow in every mode
         (and maps the new arena with kvkeep): the first document takes that cost, unmeasured;
         its hits still count, so a cache that lost it shows."""
-        canary = query(ctx.probe(), docs[:1], self.spec.block_size)
-        rest = query(ctx.probe(), docs[1:], self.spec.block_size)
-        n = len(docs) - 1
-        hit = (canary["hit_rate"] + n * rest["hit_rate"]) / (n + 1)
-        return {**rest, "hit_rate": hit, "canary_ttft_s": canary["ttft_s"]}
+        canary, rest = self._query(ctx, docs[:1]), self._query(ctx, docs[1:])
+        rates = mean_rates([(canary.rates, canary.cacheable), (rest.rates, rest.cacheable)])
+        return Requeried(rates, rest.ttft_s, rest.ttfts_s, rest.cacheable, canary.ttft_s)
 
 
-def flatten(out: dict[str, Any]) -> dict[str, Any]:
-    """Top-level figures the report and acceptance read, plus the phases in full."""
-    flat: dict[str, Any] = {
-        "cold_ttft_s": out["warmup"]["ttft_s"],
-        "warm_ttft_s": out["warm"]["ttft_s"],
-        "restart_ready_s": out["restart_ready_s"],
-        "first_ready_s": out["first_ready_s"],
-        "after_engine_restart_hit_rate": out["after_engine_restart"]["hit_rate"],
-        "after_engine_restart_ttft_s": out["after_engine_restart"]["ttft_s"],
-    }
-    for how in ("sigterm", "sigkill"):
-        phase = out.get(f"after_server_{how}")
-        flat[f"after_server_{how}_hit_rate"] = phase["hit_rate"] if phase else None
-        flat[f"after_server_{how}_ttft_s"] = phase["ttft_s"] if phase else None
-    hits = [flat[f"after_server_{h}_hit_rate"] for h in ("sigterm", "sigkill")]
-    flat["after_server_restart_hit_rate"] = None if None in hits else min(hits)
-    flat["phases"] = {k: v for k, v in out.items() if isinstance(v, dict)}
-    return flat
+@dataclass(frozen=True)
+class RemoteRestartResult:
+    """The figures the report reads, and the phases in full (``cold``, ``ram``, ``remote``,
+    ``ram_after_remote``)."""
+
+    cold_ttft_s: float
+    ram_ttft_s: float
+    remote_ttft_s: float
+    ram_after_remote_ttft_s: float
+    doc_tokens: int
+    kv_bytes_per_token: int
+    remote_hit_rate: float
+    ram_hit_rate: float
+    remote_errors: int
+    remote_checksum_failures: int
+    remote_bytes_sent: int
+    remote_dropped_puts: int
+    phases: dict[str, Queried]
 
 
 @dataclass
@@ -113,28 +161,27 @@ class RemoteRestartScenario:
         return Needs(tokens=self.spec.tokens, modes=("kvkeep",), own_engine=True,
                      shared_store=True)  # fmt: skip
 
-    def run(self, ctx: RunContext) -> dict[str, Any]:
-        self.spec.validate()
-        docs = documents(self.spec.docs, self.spec.doc_tokens, f"remote:{self.spec.seed}:"
-                         f"{time.time_ns()}")  # fmt: skip
+    def run(self, ctx: RunContext) -> RemoteRestartResult:
+        docs = self.spec.documents("remote")
         bytes_per_token = footprint_from_file(ctx.model / "config.json").bytes_per_token()
-        out: dict[str, Any] = {"kv_bytes_per_token": int(bytes_per_token)}
         cold, ram, a_remote = self._host(ctx, docs, wait_sent=True)
-        out.update(cold=cold, ram=ram, a_remote=a_remote)
-        assert ctx.cache is not None
         ctx.cache.replace_host()
         ctx.engine.restart()
         remote, ram_b, b_remote = self._host(ctx, docs, wait_sent=False)
-        out.update(remote=remote, ram_after_remote=ram_b, b_remote=b_remote)
-        return summarize_remote(out, self.spec.doc_tokens)
+        return RemoteRestartResult(
+            cold.ttft_s, ram.ttft_s, remote.ttft_s, ram_b.ttft_s, self.spec.doc_tokens,
+            int(bytes_per_token), remote.rates.get("remote_hit_rate"),
+            ram.rates.get("ram_hit_rate"), b_remote["errors"], b_remote["checksum_failures"],
+            a_remote["bytes_in"], a_remote["dropped_puts"],
+            {"cold": cold, "ram": ram, "remote": remote, "ram_after_remote": ram_b},
+        )  # fmt: skip
 
     def _host(
         self, ctx: RunContext, docs: list[list[int]], wait_sent: bool
-    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    ) -> tuple[Queried, Queried, dict[str, Any]]:
         """The documents once, then again with vLLM's device cache emptied; then the remote
         tier's counters. A fresh vLLM's first request pays one-off start-up costs (measured:
         8.2 s for a 16k remote hit that took 0.2-0.5 s once warm): a short one takes them."""
-        assert ctx.cache is not None
         query(ctx.probe(), [random_ids(300, f"warm-up:{ctx.url}")], self.spec.block_size)
         first = query(ctx.probe(), docs, self.spec.block_size)
         reset_device_cache(ctx.url)
@@ -142,24 +189,6 @@ class RemoteRestartScenario:
         sent = {"all_sent": ctx.cache.wait_sent()} if wait_sent else {}
         stats = {**(ctx.cache.stats() or {})["tiers"]["remote"], **sent}
         return first, second, stats
-
-
-def summarize_remote(out: dict[str, Any], doc_tokens: int) -> dict[str, Any]:
-    """The figures the report needs on top, the phases in full below."""
-    phases = ("cold", "ram", "remote", "ram_after_remote")
-    flat: dict[str, Any] = {f"{p}_ttft_s": out[p]["ttft_s"] for p in phases}
-    flat.update(
-        doc_tokens=doc_tokens,
-        kv_bytes_per_token=out["kv_bytes_per_token"],
-        remote_hit_rate=out["remote"].get("remote_hit_rate", 0.0),
-        ram_hit_rate=out["ram"].get("ram_hit_rate", 0.0),
-        remote_errors=out["b_remote"]["errors"],
-        remote_checksum_failures=out["b_remote"]["checksum_failures"],
-        remote_bytes_sent=out["a_remote"]["bytes_in"],
-        remote_dropped_puts=out["a_remote"]["dropped_puts"],
-    )
-    flat["phases"] = {p: out[p] for p in phases}
-    return flat
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -44,7 +45,7 @@ class SessionScenario:
     def needs(self) -> Needs:
         return Needs(tokens=session_tokens(self.spec))
 
-    def run(self, ctx: RunContext) -> dict[str, Any]:
+    def run(self, ctx: RunContext) -> SessionResult:
         turns = SessionGenerator(self.spec, self.counter).turns()
         before = vllm_counters(ctx.url)
         t0 = time.perf_counter()
@@ -54,29 +55,37 @@ class SessionScenario:
         return summarize_session(results, wall, metrics_delta(before, vllm_counters(ctx.url)))
 
 
+@dataclass(frozen=True)
+class SessionResult:
+    """Per-turn rows (`TurnResult` less agent and start) plus the totals the study quotes."""
+
+    turns: list[dict[str, Any]]
+    total_prompt_tokens: int
+    total_cached_tokens: int
+    total_computed_tokens: int
+    last_turn_prompt_tokens: int
+    last_turn_computed_tokens: int
+    max_turn_computed_tokens: int
+    reread_ratio: float | None
+    ttft_mean_s: float
+    last_turn_ttft_s: float
+    session_s: float
+    vllm_metrics: dict[str, float]
+
+
 def summarize_session(
     results: Sequence[TurnResult], wall_s: float, metrics: dict[str, float]
-) -> dict[str, Any]:
-    """Per-turn rows plus the totals the study quotes."""
+) -> SessionResult:
     rows = sorted(results, key=lambda r: (r.agent, r.turn))
     prompt = sum(r.prompt_tokens for r in rows)
     computed = sum(r.computed_tokens for r in rows)
-    return {
-        "turns": [
-            {k: v for k, v in r.to_dict().items() if k not in ("agent", "start_s")} for r in rows
-        ],
-        "total_prompt_tokens": prompt,
-        "total_cached_tokens": prompt - computed,
-        "total_computed_tokens": computed,
-        "last_turn_prompt_tokens": rows[-1].prompt_tokens,
-        "last_turn_computed_tokens": rows[-1].computed_tokens,
-        "max_turn_computed_tokens": max(r.computed_tokens for r in rows),
-        "reread_ratio": prompt / computed if computed else None,
-        "ttft_mean_s": sum(r.ttft_s for r in rows) / len(rows),
-        "last_turn_ttft_s": rows[-1].ttft_s,
-        "session_s": wall_s,
-        "vllm_metrics": metrics,
-    }
+    turns = [{k: v for k, v in asdict(r).items() if k not in ("agent", "start_s")} for r in rows]
+    return SessionResult(
+        turns, prompt, prompt - computed, computed, rows[-1].prompt_tokens,
+        rows[-1].computed_tokens, max(r.computed_tokens for r in rows),
+        prompt / computed if computed else None, statistics.fmean(r.ttft_s for r in rows),
+        rows[-1].ttft_s, wall_s, metrics,
+    )  # fmt: skip
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

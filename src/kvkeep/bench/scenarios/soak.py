@@ -40,7 +40,7 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import httpx
@@ -79,10 +79,9 @@ class SoakScenario:
         return Needs(modes=("kvkeep",), own_engine=True, tokens=self.spec.max_model_len,
                      num_blocks=self.spec.num_blocks)  # fmt: skip
 
-    def run(self, ctx: RunContext) -> dict[str, Any]:
+    def run(self, ctx: RunContext) -> SoakResult:
         spec = self.spec
         spec.validate()
-        assert ctx.cache is not None, "the soak runs in mode kvkeep"
         session = SessionSpec(turns=spec.turns, scale=spec.scale,
                               max_output_tokens=spec.max_output_tokens, seed=spec.seed)  # fmt: skip
         sessions = generate_sessions(session, HFTokenizer(ctx.model), spec.agents)
@@ -93,45 +92,39 @@ class SoakScenario:
         print(f"soak: {spec.minutes} min of agents and faults", file=sys.stderr)
         t0 = time.monotonic()
         sampler = Sampler(ctx.cache, ctx.engine, spec.sample_every_s, t0)
-        faults = Faults(spec, ctx.cache, ctx.engine)
+        faults = Faults(spec, ctx.cache, ctx.engine, sampler)
         sampler.start()
-        faults.start(t0, sampler)
+        faults.start()
+        tally = Tally()
+
+        async def step(client: httpx.AsyncClient, a: int, turn: Turn) -> None:
+            await _turn(client, ctx.engine, a, turn, refs[(a, turn.index)], tally, t0)
+
         try:
-            tally = asyncio.run(judged_agents(ctx.engine, sessions, refs, t0 + spec.duration_s, t0))
+            asyncio.run(agent_loop(sessions, step, until=t0 + spec.duration_s))
         finally:
             faults.stop()
             sampler.stop()
-        out = summarize(spec, tally, faults, sampler.samples)
-        out["reference_s"] = ref_s
-        out["wall_s"] = time.monotonic() - t0
-        return out
+        return summarize(spec, tally, faults, sampler.samples, ref_s, time.monotonic() - t0)
 
 
 # --- agents, judged -----------------------------------------------------------------------------
 
 
 class Reply(NamedTuple):
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
+    judged: Judged  # what the criterion compares: tokens, logprobs, top alternatives
     prompt_tokens: int
     cached_tokens: int
-    top: tuple[dict[int, float], ...] = ()
-
-    def judged(self) -> Judged:
-        return Judged(self.token_ids, self.logprobs, self.top)
 
 
 class Result(NamedTuple):
+    """One judged turn: when it started (seconds into the run), how long it took, the reply
+    and the criterion's verdict on it."""
+
     t_s: float
-    agent: int
-    turn: int
     latency_s: float
-    prompt_tokens: int
-    cached_tokens: int
-    wrong: bool
-    logprob_diff: float
-    tokens_compared: int = 0
-    tie_broken: bool = False
+    reply: Reply
+    verdict: Verdict
 
 
 @dataclass
@@ -169,16 +162,14 @@ async def ask(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Repl
     doc = r.json()
     content = doc["choices"][0]["logprobs"]["content"]
     usage = doc["usage"]
-    return Reply(
-        tuple(_token_id(c["token"]) for c in content),
-        tuple(float(c["logprob"]) for c in content),
-        int(usage["prompt_tokens"]),
-        int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
-        tuple(
-            {_token_id(t["token"]): float(t["logprob"]) for t in c.get("top_logprobs") or ()}
-            for c in content
-        ),
-    )
+    judged = Judged(
+        [_token_id(c["token"]) for c in content],
+        [float(c["logprob"]) for c in content],
+        [{_token_id(t["token"]): float(t["logprob"]) for t in c.get("top_logprobs") or ()}
+         for c in content],
+    )  # fmt: skip
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return Reply(judged, int(usage["prompt_tokens"]), int(cached))
 
 
 def _token_id(text: str) -> int:
@@ -199,23 +190,6 @@ async def references(url: str, sessions: Sequence[Sequence[Turn]]) -> dict[tuple
 
         await asyncio.gather(*(one(a, t) for a, turns in enumerate(sessions) for t in turns))
     return out
-
-
-async def judged_agents(
-    engine: VLLMServer,
-    sessions: Sequence[Sequence[Turn]],
-    refs: dict[tuple[int, int], Reply],
-    until: float,
-    t0: float,
-) -> Tally:
-    """Every agent replays its session in a loop until ``until`` (monotonic)."""
-    tally = Tally()
-
-    async def step(client: httpx.AsyncClient, a: int, turn: Turn) -> None:
-        await _turn(client, engine, a, turn, refs[(a, turn.index)], tally, t0)
-
-    await agent_loop(sessions, step, until=until)
-    return tally
 
 
 async def _turn(
@@ -247,80 +221,76 @@ async def _turn(
             # truncated output: a reply that spans a restart is the restart's, not kvkeep's
             tally.lost_to_engine_restart += 1
             continue
-        verdict = same_as_cold(reply.judged(), ref.judged())
+        verdict = same_as_cold(reply.judged, ref.judged)
         if not verdict:
             tally.errors.append(f"agent {agent} turn {turn.index} at {start - t0:.1f} s: "
-                                f"{verdict.why}: {reply.token_ids} vs reference "
-                                f"{ref.token_ids}")  # fmt: skip
-        tally.results.append(_result(start - t0, agent, turn.index, reply, verdict, start))
+                                f"{verdict.why}: {list(reply.judged.token_ids)} vs reference "
+                                f"{list(ref.judged.token_ids)}")  # fmt: skip
+        tally.results.append(Result(start - t0, time.monotonic() - start, reply, verdict))
         return
 
 
-def _result(
-    t_s: float, agent: int, turn: int, reply: Reply, verdict: Verdict, start: float
-) -> Result:
-    return Result(
-        t_s,
-        agent,
-        turn,
-        time.monotonic() - start,
-        reply.prompt_tokens,
-        reply.cached_tokens,
-        not verdict.ok,
-        verdict.worst,
-        verdict.compared,
-        verdict.ok and bool(verdict.why),
-    )
+@dataclass(frozen=True)
+class SoakResult:
+    """A run's figures (see the module doc), over time, and the faults as done."""
+
+    spec: SoakSpec
+    requests: int
+    failed_requests: int
+    requests_lost_to_engine_restart: int
+    wrong_outputs: int
+    replies_compared: int
+    tokens_compared: int
+    ties_broken: int
+    max_logprob_diff: float
+    server_kills: int
+    engine_restarts: int
+    live_corruptions: int
+    bytes_flipped: int
+    disk_checksum_failures: float
+    kvkeep_hit_blocks: float
+    kvkeep_loaded_tokens: float
+    kvkeep_load_failed_tokens: float
+    cached_fraction: float
+    latency_p50_s: float | None
+    latency_p99_s: float | None
+    hit_rate_over_time: list[dict[str, Any]]
+    rss_over_time: list[dict[str, Any]]
+    rss_growth_mb: dict[str, float | None]
+    events: list[dict[str, Any]]
+    fault_errors: list[str]
+    errors: list[str]
+    reference_s: float
+    wall_s: float
+    scenario: str = "soak"
+    drift_tolerance: float = DRIFT_TOL
 
 
-def summarize(
-    spec: SoakSpec,
-    tally: Tally,
-    faults: Faults,
-    samples: Sequence[Sample],
-) -> dict[str, Any]:
-    """The JSON document of a run."""
+def summarize(spec: SoakSpec, tally: Tally, faults: Faults, samples: Sequence[Sample],
+              reference_s: float, wall_s: float) -> SoakResult:  # fmt: skip
     results = tally.results
-    last = samples[-1] if samples else None
-    diffs = [r.logprob_diff for r in results]
-    return {
-        "scenario": "soak",
-        "spec": asdict(spec),
-        "requests": len(results),
-        "failed_requests": tally.failed,
-        "requests_lost_to_engine_restart": tally.lost_to_engine_restart,
-        "wrong_outputs": sum(r.wrong for r in results),
-        "replies_compared": len(results),
-        "tokens_compared": sum(r.tokens_compared for r in results),
-        "ties_broken": sum(r.tie_broken for r in results),
-        "drift_tolerance": DRIFT_TOL,
-        "max_logprob_diff": max(diffs, default=0.0),
-        "server_kills": faults.count("server_kill"),
-        "engine_restarts": faults.count("engine_restart"),
-        "live_corruptions": faults.count("corrupt_live"),
-        "bytes_flipped": faults.flipped,
-        "disk_checksum_failures": last.disk_checksum_failures if last else 0,
-        "kvkeep_hit_blocks": last.kvkeep_hit_blocks if last else 0,
-        "kvkeep_loaded_tokens": last.loaded_tokens if last else 0,
-        "kvkeep_load_failed_tokens": last.load_failed_tokens if last else 0,
-        "cached_fraction": _fraction(results),
-        "latency_p50_s": _pct(results, 0.5),
-        "latency_p99_s": _pct(results, 0.99),
-        "hit_rate_over_time": hit_windows(results, samples, spec.duration_s),
-        "rss_over_time": [
-            {"t_s": round(s.t_s, 1), "server_mb": s.server_mb, "vllm_mb": s.vllm_mb}
-            for s in samples
-        ],
-        "rss_growth_mb": rss_growth(samples),
-        "events": [e._asdict() for e in faults.events],
-        "fault_errors": faults.errors,
-        "errors": tally.errors[:20],
-    }
+    last = samples[-1] if samples else Sample(0.0, None, 0, None, None, 0.0, 0.0, 0.0, 0.0)
+    return SoakResult(
+        spec, len(results), tally.failed, tally.lost_to_engine_restart,
+        sum(not r.verdict for r in results), len(results),
+        sum(r.verdict.compared for r in results),
+        sum(r.verdict.ok and bool(r.verdict.why) for r in results),  # a tie broken
+        max((r.verdict.worst for r in results), default=0.0),
+        faults.count("server_kill"), faults.count("engine_restart"),
+        faults.count("corrupt_live"), faults.flipped, last.disk_checksum_failures,
+        last.kvkeep_hit_blocks, last.loaded_tokens, last.load_failed_tokens,
+        _fraction(results), _pct(results, 0.5), _pct(results, 0.99),
+        hit_windows(results, samples, spec.duration_s),
+        [{"t_s": round(s.t_s, 1), "server_mb": s.server_mb, "vllm_mb": s.vllm_mb}
+         for s in samples],
+        rss_growth(samples), [e._asdict() for e in faults.events], faults.errors,
+        tally.errors[:20], reference_s, wall_s,
+    )  # fmt: skip
 
 
 def _fraction(results: Sequence[Result]) -> float:
-    prompt = sum(r.prompt_tokens for r in results)
-    return sum(r.cached_tokens for r in results) / prompt if prompt else 0.0
+    prompt = sum(r.reply.prompt_tokens for r in results)
+    return sum(r.reply.cached_tokens for r in results) / prompt if prompt else 0.0
 
 
 def _pct(results: Sequence[Result], q: float) -> float | None:
@@ -343,18 +313,15 @@ def hit_windows(
                 "t_s": round(lo, 1),
                 "requests": len(rows),
                 "cached_fraction": round(_fraction(rows), 4),
-                "kvkeep_hit_blocks": _delta(samples, lo, hi),
+                "kvkeep_hit_blocks": _hits_before(samples, hi) - _hits_before(samples, lo),
             }
         )
     return out
 
 
-def _delta(samples: Sequence[Sample], lo: float, hi: float) -> float:
-    inside = [s.kvkeep_hit_blocks for s in samples if lo <= s.t_s < hi]
-    before = [s.kvkeep_hit_blocks for s in samples if s.t_s < lo]
-    if not inside:
-        return 0.0
-    return inside[-1] - (before[-1] if before else 0.0)
+def _hits_before(samples: Sequence[Sample], t: float) -> float:
+    """kvkeep's hit blocks as last sampled before ``t``: a running total, so the largest."""
+    return max((s.kvkeep_hit_blocks for s in samples if s.t_s < t), default=0.0)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -44,7 +44,6 @@ class SoakSpec:
     cache_disk: str = "1GiB"
     num_blocks: int = 96  # a small device pool, so kvkeep serves what vLLM evicted
     max_model_len: int = 4096
-    timeout_s: float = 1.0
     seed: int = 0
 
     @property
@@ -152,14 +151,13 @@ class Monotonic:
 
 
 def server_counters(stats: dict[str, Any] | None) -> dict[str, float]:
+    """Hits and checksum failures, each summed over the RAM and disk tiers ({} while down)."""
     if not stats:
         return {}
-    tiers = stats.get("tiers", {})
-    out: dict[str, float] = {}
-    for tier in ("ram", "disk"):
-        for name in ("hits", "checksum_failures"):
-            out[f"{tier}_{name}"] = float(tiers.get(tier, {}).get(name, 0))
-    return out
+    tiers = [stats.get("tiers", {}).get(tier, {}) for tier in ("ram", "disk")]
+    return {
+        name: float(sum(t.get(name, 0) for t in tiers)) for name in ("hits", "checksum_failures")
+    }
 
 
 def private_rss_mb(pid: int | None, tree: bool) -> float | None:
@@ -197,8 +195,7 @@ class Sampler:
 
     def __init__(self, cache: CacheServer, engine: VLLMServer, every_s: float, t0: float) -> None:
         self.cache, self.engine, self.every_s, self.t0 = cache, engine, every_s, t0
-        self.server = Monotonic()
-        self.vllm = Monotonic()
+        self.totals = Monotonic()  # the server's counters and vLLM's kvkeep_tokens
         self.samples: list[Sample] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -215,10 +212,10 @@ class Sampler:
         """Read counters and memory now (thread-safe; the fault thread calls it before a
         kill so no counts are lost with the process)."""
         with self._lock:
-            self.server.see(server_counters(self.cache.stats()))
+            self.totals.see(server_counters(self.cache.stats()))
             with contextlib.suppress(httpx.HTTPError):
-                self.vllm.see(kvkeep_tokens(self.engine.url))
-            s = self.server
+                self.totals.see(kvkeep_tokens(self.engine.url))
+            total = self.totals.total
             self.samples.append(
                 Sample(
                     time.monotonic() - self.t0,
@@ -226,10 +223,10 @@ class Sampler:
                     self.engine.generation,
                     private_rss_mb(self.cache.pid, tree=False),
                     private_rss_mb(self.engine.pid, tree=True),
-                    s.total("ram_hits") + s.total("disk_hits"),
-                    s.total("disk_checksum_failures") + s.total("ram_checksum_failures"),
-                    self.vllm.total("loaded"),
-                    self.vllm.total("load_failed"),
+                    total("hits"),
+                    total("checksum_failures"),
+                    total("loaded"),
+                    total("load_failed"),
                 )
             )
 
@@ -245,19 +242,19 @@ class Sampler:
 class Faults:
     """Runs the schedule on its own thread; ``events`` records what was done and how long."""
 
-    def __init__(self, spec: SoakSpec, cache: CacheServer, engine: VLLMServer) -> None:
-        self.spec, self.cache, self.engine = spec, cache, engine
+    def __init__(
+        self, spec: SoakSpec, cache: CacheServer, engine: VLLMServer, sampler: Sampler
+    ) -> None:
+        self.spec, self.cache, self.engine, self.sampler = spec, cache, engine, sampler
+        self.t0 = sampler.t0
         self.rng = random.Random(spec.seed)
         self.flipped = 0
         self.events: list[Event] = []
         self.errors: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="soak-faults", daemon=True)
-        self.sampler: Sampler | None = None
-        self.t0 = 0.0
 
-    def start(self, t0: float, sampler: Sampler) -> None:
-        self.t0, self.sampler = t0, sampler
+    def start(self) -> None:
         self._thread.start()
 
     def _run(self) -> None:
@@ -279,8 +276,7 @@ class Faults:
 
     def _do(self, kind: str, kills: int) -> str:
         if kind == "server_kill":
-            if self.sampler is not None:
-                self.sampler.sample()
+            self.sampler.sample()  # the counts the kill is about to lose
             return self._kill(corrupt=self.spec.corrupt and kills % 2 == 1)
         if kind == "corrupt_live":
             return self._corrupt()

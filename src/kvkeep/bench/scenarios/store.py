@@ -27,7 +27,7 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,23 @@ class StoreSpec:
     dir: str | None = None  # scratch directory on the disk to measure (None: a tmp dir)
 
 
+@dataclass(frozen=True)
+class StoreResult:
+    """The figures of the module doc (``memcpy_gbps`` ... ``rebuild_s_per_100k``)."""
+
+    block_bytes: int
+    total_bytes: int
+    memcpy_gbps: float
+    ram_put_gbps: float
+    ram_get_gbps: float
+    ram_get_verified_gbps: float
+    disk_get_gbps: float
+    lookup_p99_ms: float
+    disk_direct_read_gbps: float
+    rebuild_s_per_100k: float
+    disk_breakdown: dict[str, float] = field(default_factory=dict)  # seconds, per phase
+
+
 @dataclass
 class StoreScenario:
     """Runs its own cache servers; no vLLM."""
@@ -72,9 +89,9 @@ class StoreScenario:
     def needs(self) -> Needs:
         return Needs(engine=False)
 
-    def run(self, ctx: RunContext) -> dict[str, Any]:
+    def run(self, ctx: RunContext) -> StoreResult:
         with tempfile.TemporaryDirectory(prefix="kvkeep-bench-", dir=self.spec.dir) as tmp:
-            return run(self.spec, Path(tmp))
+            return StoreResult(**run(self.spec, Path(tmp)))
 
 
 def run(spec: StoreSpec, scratch: Path) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -25,12 +25,40 @@ from tqdm import tqdm
 
 from kvkeep.bench.context import RunContext
 from kvkeep.bench.metrics import kvkeep_tokens
+from kvkeep.bench.result import FLAT
 from kvkeep.bench.scenario import Needs, parse_sizes
 from kvkeep.endpoint import complete_ids, discover_model
 from kvkeep.workload import random_ids
 
 DEFAULT_SIZES = (4096, 16384)
 WARM_SENDS = 3
+
+
+@dataclass(frozen=True)
+class AfterRestart:
+    after_restart_s: float
+    after_restart_cached_tokens: int
+    hit_rate_after_restart: float | None
+    restart_ready_s: float
+
+
+@dataclass(frozen=True)
+class SizeTTFT:
+    """One prompt size: cold, then warm; with ``--restart`` once more after it."""
+
+    cold_s: float
+    warm_s: float
+    warm_samples_s: list[float]
+    speedup: float | None
+    cold_cached_tokens: int
+    warm_cached_tokens: int
+    prompt_tokens: int
+    after: AfterRestart | None = field(default=None, metadata=FLAT)
+
+
+@dataclass(frozen=True)
+class TTFTResult:
+    sizes: dict[str, SizeTTFT]
 
 
 @dataclass
@@ -45,11 +73,11 @@ class TTFTScenario:
     def needs(self) -> Needs:
         return Needs(tokens=max(self.sizes) + 64, own_engine=self.restart)
 
-    def run(self, ctx: RunContext) -> dict[str, Any]:
+    def run(self, ctx: RunContext) -> TTFTResult:
         return asyncio.run(self._run(ctx))
 
-    async def _run(self, ctx: RunContext) -> dict[str, Any]:
-        out: dict[str, Any] = {}
+    async def _run(self, ctx: RunContext) -> TTFTResult:
+        out: dict[str, SizeTTFT] = {}
         prompts = {size: random_ids(size, f"ttft:{self.seed}:{size}:{time.time_ns()}")
                    for size in self.sizes}  # fmt: skip
         async with httpx.AsyncClient() as client:
@@ -66,23 +94,17 @@ class TTFTScenario:
                 print(f"  vLLM restarted, ready {ready:.1f} s after the stop began",
                       file=sys.stderr)  # fmt: skip
                 await self._after_restart(client, ctx.url, ready, prompts, out)
-        return {"sizes": out}
+        return TTFTResult(out)
 
     async def _cold_warm(
         self, client: httpx.AsyncClient, url: str, model: str, ids: list[int]
-    ) -> dict[str, Any]:
+    ) -> SizeTTFT:
         cold = await complete_ids(client, url, model, ids)
         warms = [await complete_ids(client, url, model, ids) for _ in range(WARM_SENDS)]
         warm_s = statistics.median(w.ttft_s for w in warms)
-        return {
-            "cold_s": cold.ttft_s,
-            "warm_s": warm_s,
-            "warm_samples_s": [w.ttft_s for w in warms],
-            "speedup": cold.ttft_s / warm_s if warm_s > 0 else None,
-            "cold_cached_tokens": cold.cached_tokens,
-            "warm_cached_tokens": min(w.cached_tokens for w in warms),
-            "prompt_tokens": cold.prompt_tokens,
-        }
+        return SizeTTFT(cold.ttft_s, warm_s, [w.ttft_s for w in warms],
+                        cold.ttft_s / warm_s if warm_s > 0 else None, cold.cached_tokens,
+                        min(w.cached_tokens for w in warms), cold.prompt_tokens)  # fmt: skip
 
     async def _after_restart(
         self,
@@ -90,7 +112,7 @@ class TTFTScenario:
         url: str,
         ready_s: float,
         prompts: dict[int, list[int]],
-        out: dict[str, Any],
+        out: dict[str, SizeTTFT],
     ) -> None:
         """Send every prompt once more to the restarted server; adds the after-restart keys."""
         model = await discover_model(client, url)
@@ -100,12 +122,9 @@ class TTFTScenario:
             after = await complete_ids(client, url, model, ids)
             failed = kvkeep_tokens(url)["load_failed"] - before["load_failed"]
             hits = max(after.cached_tokens - failed, 0)
-            out[str(size)].update(
-                after_restart_s=after.ttft_s,
-                after_restart_cached_tokens=after.cached_tokens,
-                hit_rate_after_restart=hits / after.prompt_tokens if after.prompt_tokens else None,
-                restart_ready_s=ready_s,
-            )
+            rate = hits / after.prompt_tokens if after.prompt_tokens else None
+            again = AfterRestart(after.ttft_s, after.cached_tokens, rate, ready_s)
+            out[str(size)] = replace(out[str(size)], after=again)
 
     def _canary(self) -> list[int]:
         """A short prompt of full blocks plus a tail, the same for the whole run."""

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# kvkeep's GPU check (issue 13, item 9): at most 10 minutes on one GPU, no network.
+#
+#   scripts/gpu-check.sh [MODEL_DIR]
+#
+# Uses the repository's own source (PYTHONPATH=src, nothing to install) and the machine's
+# Python packages: torch with CUDA, numpy, msgpack; for the end-to-end smoke also a CUDA
+# vLLM, tokenizers and a model directory (MODEL_DIR, else .cache/tiny-model, else one is
+# generated with `kvkeep model tiny`, which needs no network). PYTHON picks the interpreter.
+#
+# Measures pinned and pageable host<->device bandwidth; kvkeep's per-step save and load
+# bandwidth for 16-token blocks in LBNHC, LBHNC and BLHNC (the layouts vLLM uses on CUDA,
+# FlashInfer on Blackwell included) through the connector's own CUDA mover, each checked to
+# round-trip exactly; and the end-to-end smoke (scripts/gpu_smoke.py). Prints one JSON line.
+#
+# Exit status: 0 every check ran and passed; 1 a check failed (see the JSON); 2 no CUDA
+# device (the JSON says "no CUDA device"); 3 a package is missing (the JSON names it).
+set -u
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-$(command -v python3 || command -v python)}
+export PYTHONPATH="$PWD/src:$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}"
+
+missing=$("$PY" - <<'EOF'
+import importlib.util
+need = ["torch", "numpy", "msgpack"]
+print(" ".join(m for m in need if importlib.util.find_spec(m) is None))
+EOF
+)
+if [ -n "$missing" ]; then
+    printf '{"ok": false, "status": "missing packages", "missing": "%s", "python": "%s"}\n' "$missing" "$PY"
+    exit 3
+fi
+if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    "$PY" -c 'import json, torch; print(json.dumps({"ok": False, "status": "no CUDA device", "torch": torch.__version__}))'
+    exit 2
+fi
+
+smoke=()
+if "$PY" -c 'import vllm, tokenizers' 2>/dev/null; then
+    model=${1:-.cache/tiny-model}
+    if [ ! -f "$model/config.json" ]; then
+        model=$(mktemp -d)/tiny-model
+        "$PY" -m kvkeep.cli model tiny "$model" >&2 || model=""
+    fi
+    [ -n "$model" ] && smoke=(--smoke-model "$model")
+else
+    echo "gpu-check: no CUDA vLLM (or tokenizers) importable: the end-to-end smoke is skipped" >&2
+fi
+exec timeout 570 "$PY" scripts/gpu_check.py --device cuda --old "${smoke[@]}"

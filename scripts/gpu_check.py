@@ -1,0 +1,158 @@
+"""kvkeep's data-path check on one device; run by ``scripts/gpu-check.sh`` (see there).
+
+Prints one JSON line. With ``--device cuda`` (the default): pinned and pageable host<->device
+bandwidth, kvkeep's per-step save and load bandwidth for 16-token blocks in each layout vLLM
+uses on CUDA (through ``kvkeep.vllm.cuda.CudaMover``, the connector's own code), and, if a
+CUDA vLLM imports, an end-to-end smoke test (``--smoke``). With ``--device cpu``: the same
+layout figures for a KV cache in host memory (``kvkeep.vllm.transfer.Mover``), beside the old
+block-by-block, layer-by-layer loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvkeep.vllm.cuda import CudaMover
+from kvkeep.vllm.layout import KVLayout, LayoutDescription
+from kvkeep.vllm.transfer import Mover, region_of
+
+# physical axis order of logical [L, B, H, N, C] (vllm/v1/kv_cache_layout.py)
+STRIDE_ORDER = {"LBNHC": (0, 1, 3, 2, 4), "LBHNC": (0, 1, 2, 3, 4), "BLHNC": (1, 0, 2, 3, 4)}
+
+
+def timed(fn: Callable[[], Any], reps: int, sync: Callable[[], None]) -> float:
+    """Seconds per call of ``fn``, after one warm-up call."""
+    fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / reps
+
+
+def bandwidth(device: str, mib: int, sync: Callable[[], None]) -> dict[str, float]:
+    """Host<->device copy bandwidth, GB/s, pinned and pageable."""
+    nbytes = mib << 20
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    out = {}
+    for kind, pinned in (("pinned", True), ("pageable", False)):
+        host = torch.ones(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        h2d = timed(lambda h=host: dev.copy_(h, non_blocking=True), 5, sync)
+        d2h = timed(lambda h=host: h.copy_(dev, non_blocking=True), 5, sync)
+        out[f"{kind}_h2d_gbps"] = nbytes / h2d / 1e9
+        out[f"{kind}_d2h_gbps"] = nbytes / d2h / 1e9
+    return out
+
+
+def engine(layout: str, shape: tuple[int, ...], device: str) -> KVLayout:
+    """A KV cache of one allocation in ``layout``, with per-layer logical views, as vLLM
+    0.32 registers it."""
+    order = STRIDE_ORDER[layout]
+    phys = torch.randn([shape[a] for a in order], device=device).to(torch.bfloat16)
+    five = phys.permute(*[order.index(a) for a in range(5)])
+    views = {f"l{i}": five[i] for i in range(shape[0])}
+    page = five[0, 0].numel() * 2
+    desc = LayoutDescription(layout, shape[1], shape[3], 1, tuple(views), page)
+    return KVLayout.build(desc, views)
+
+
+def layout_figures(
+    layout: str, shape: tuple[int, ...], batch: int, device: str, old: bool
+) -> dict[str, Any]:
+    """Save and load GB/s of one step of ``batch`` blocks, through the connector's mover; the
+    load target is checked to hold exactly the saved bytes."""
+    kv = engine(layout, shape, device)
+    mover: Mover = CudaMover(torch.device(device)) if device.startswith("cuda") else Mover()
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    ids = torch.randperm(shape[1] - 1)[:batch] + 1
+    rows = mover.host_buffer(batch, kv.block_bytes)
+    arena = mmap.mmap(-1, batch * kv.block_bytes)
+    mover.pin_arena(region_of("check", arena))
+    slots = [
+        np.frombuffer(arena, np.uint8, kv.block_bytes, j * kv.block_bytes) for j in range(batch)
+    ]
+    nbytes = batch * kv.block_bytes
+    save = timed(lambda: mover.gather(kv, ids.to(device), rows)(), 5, sync)
+    for j in range(batch):
+        slots[j][:] = rows[j].numpy()
+    targets = ids.roll(1).tolist()
+    load = timed(lambda: mover.scatter(kv, targets, slots), 5, sync)
+    check = torch.empty_like(rows)
+    mover.gather(kv, torch.tensor(targets).to(device), check)()
+    out = {"fused": kv.fused, "block_bytes": kv.block_bytes, "batch_blocks": batch,
+           "save_gbps": nbytes / save / 1e9, "load_gbps": nbytes / load / 1e9,
+           "round_trip_exact": bool(torch.equal(check, rows))}  # fmt: skip
+    if old:
+        out["old_loop_save_gbps"] = nbytes / timed(lambda: old_save(kv, ids, slots), 3, sync) / 1e9
+        out["old_loop_load_gbps"] = nbytes / timed(lambda: old_load(kv, ids, slots), 3, sync) / 1e9
+    return out
+
+
+def old_save(kv: KVLayout, ids: torch.Tensor, slots: list[np.ndarray]) -> None:
+    """The data path before issue 13: per block, per layer, one synchronous ``copy_``."""
+    for j, b in enumerate(ids.tolist()):
+        flat = torch.from_numpy(slots[j])
+        for i, layer in enumerate(kv._layers):
+            page = flat[i * kv.page_bytes : (i + 1) * kv.page_bytes]
+            page.view(kv.dtype).view(kv.page_shape).copy_(layer.view[b])
+
+
+def old_load(kv: KVLayout, ids: torch.Tensor, slots: list[np.ndarray]) -> None:
+    """Loads before issue 13: per block, per layer, one synchronous ``copy_``."""
+    for j, b in enumerate(ids.tolist()):
+        flat = torch.from_numpy(slots[j])
+        for i, layer in enumerate(kv._layers):
+            page = flat[i * kv.page_bytes : (i + 1) * kv.page_bytes]
+            layer.view[b].copy_(page.view(kv.dtype).view(kv.page_shape))
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--blocks", type=int, default=1024, help="blocks in the KV cache")
+    p.add_argument("--batch", type=int, default=512, help="blocks per step (512 x 16 = 8k)")
+    p.add_argument("--old", action="store_true", help="also time the old per-layer loop")
+    p.add_argument("--threads", type=int, help="torch CPU threads (1: steady on a busy host)")
+    p.add_argument("--smoke-model", help="a model directory: run the end-to-end smoke on it")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cuda = args.device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    result: dict[str, Any] = {"device": args.device, "torch": torch.__version__}
+    if cuda:
+        result["gpu"] = torch.cuda.get_device_name(args.device)
+        result["bandwidth"] = bandwidth(args.device, 256, sync)
+    shape = (args.layers, args.blocks, args.heads, args.block_size, 2 * args.head_dim)
+    result["shape_LBHNC"] = list(shape)
+    result["layouts"] = {
+        name: layout_figures(name, shape, args.batch, args.device, args.old)
+        for name in STRIDE_ORDER
+    }
+    ok = all(v["round_trip_exact"] for v in result["layouts"].values())
+    if args.smoke_model:
+        from gpu_smoke import smoke  # a CUDA vLLM, the cache server and the model
+
+        result["smoke"] = smoke(args.smoke_model)
+        ok = ok and bool(result["smoke"].get("ok"))
+    result["ok"] = ok
+    print(json.dumps(result))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

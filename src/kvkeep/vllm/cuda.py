@@ -1,0 +1,112 @@
+"""CUDA specifics of the data path, in one place; nothing else in kvkeep touches CUDA.
+
+- The arena is registered as pinned memory (``cudaHostRegister``) so that copies between it
+  and the device are DMA, not staged through pageable bounce buffers; it is registered again
+  when a cache-server restart re-maps the arena (a new instance), and the old map released.
+- Each worker (one per rank) has its own side stream. A save gathers the step's blocks into a
+  device staging buffer on that stream, records an event the engine's stream waits for (so
+  vLLM may reuse the blocks once they are read, without the CPU waiting), then copies the
+  staging buffer to pinned host rows with one non-blocking DMA; the saver's thread waits for
+  that copy's event before it checksums and commits.
+- A load copies each verified slot to device staging (one DMA per block, from pinned memory),
+  waits for those copies (the slots are unpinned right after), then scatters with one
+  ``index_copy_`` that the engine's stream waits for.
+
+Importing this module needs no GPU; ``mover_for`` picks the host ``Mover`` for a CPU cache.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from kvkeep.vllm.layout import KVLayout
+from kvkeep.vllm.transfer import ArenaRegion, Mover, Wait
+
+log = logging.getLogger("vllm.kvkeep")
+
+
+def mover_for(layout: KVLayout) -> Mover:
+    """The mover for the device the KV cache lives on."""
+    if layout.device.type == "cuda":
+        return CudaMover(layout.device)
+    return Mover()
+
+
+class CudaMover(Mover):
+    """Batched, stream-ordered copies for a KV cache on one CUDA device (one per rank)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self._pinned: ArenaRegion | None = None
+
+    def host_buffer(self, rows: int, row_bytes: int) -> torch.Tensor:
+        return torch.zeros(rows, row_bytes, dtype=torch.uint8, pin_memory=True)
+
+    def gather(self, layout: KVLayout, ids: torch.Tensor, rows: torch.Tensor) -> Wait:
+        engine = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(engine)  # the forward that wrote the blocks comes first
+        with torch.cuda.stream(self.stream):
+            staged = torch.empty(rows.shape, dtype=torch.uint8, device=self.device)
+            layout.gather_blocks(ids.to(self.device, non_blocking=True), staged)
+            read = torch.cuda.Event()
+            read.record(self.stream)
+            rows.copy_(staged, non_blocking=True)
+            landed = torch.cuda.Event()
+            landed.record(self.stream)
+        engine.wait_event(read)  # vLLM may overwrite the blocks only after they were read
+        return landed.synchronize
+
+    def scatter(
+        self, layout: KVLayout, block_ids: Sequence[int], slots: Sequence[np.ndarray]
+    ) -> None:
+        if not slots:
+            return
+        engine = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(engine)
+        with torch.cuda.stream(self.stream):
+            staged = torch.empty(
+                len(slots), layout.block_bytes, dtype=torch.uint8, device=self.device
+            )
+            for j, slot in enumerate(slots):
+                staged[j].copy_(torch.from_numpy(slot), non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self.stream)
+            ids = torch.tensor(list(block_ids), dtype=torch.int64).to(
+                self.device, non_blocking=True
+            )
+            layout.scatter_blocks(ids, staged)
+        copied.synchronize()  # the slots are unpinned as soon as this returns
+        engine.wait_stream(self.stream)  # the forward reads the blocks after the scatter
+
+    def pin_arena(self, region: ArenaRegion | None) -> None:
+        """Register ``region`` as pinned host memory, once per cache-server instance; the
+        previous instance's region is unregistered. Failures are logged, not raised: an
+        unpinned arena is slower, never wrong."""
+        if region is None or (
+            self._pinned is not None and self._pinned.instance == region.instance
+        ):
+            return
+        if self._pinned is not None:
+            _cudart_call("cudaHostUnregister", self._pinned.address)
+            self._pinned = None
+        if _cudart_call("cudaHostRegister", region.address, region.length, 0):
+            self._pinned = region
+            log.info("kvkeep: arena of %s (%d bytes) pinned", region.instance, region.length)
+
+
+def _cudart_call(name: str, *args: int) -> bool:
+    """Call a CUDA runtime function through torch; True when it returned cudaSuccess."""
+    try:
+        result = getattr(torch.cuda.cudart(), name)(*args)
+    except Exception as exc:
+        log.warning("kvkeep: %s failed: %s", name, exc)
+        return False
+    code = int(result[0] if isinstance(result, tuple) else result)
+    if code:
+        log.warning("kvkeep: %s returned CUDA error %d; copies stay unpinned", name, code)
+    return code == 0

@@ -1,0 +1,193 @@
+"""Saves off the step: copy new blocks out of the KV cache, store them in the background.
+
+On the step (``Saver.stage``, from ``wait_for_save``) the only work is one batched copy of the
+step's new blocks out of the engine's KV cache into a staging buffer that kvkeep owns. The
+step never waits for an RPC or a checksum: a background thread, on its own connection to the
+cache server, then RESERVEs slots (the server skips keys it holds), copies each staged block
+into its slot, checksums the slot and COMMITs::
+
+    step:        gather_blocks(ids) -> staging rows          (the only copy vLLM waits for)
+    background:  RESERVE keys -> rows into slots -> checksum(slot) -> COMMIT -> free the rows
+
+Why staging, not slots leased ahead: a slot is reserved under its key, and the keys of a
+step's blocks are known only when its plan arrives; an RPC to get them would be on the step.
+The price is one memcpy per saved byte, off the step.
+
+Safety: a slot is only ever committed with the checksum of its own bytes, copied from the
+row that was gathered for its key; a failed RESERVE, copy or COMMIT releases the slots and
+counts a save failure (nothing is published). Staging memory is bounded: when every buffer is
+in flight the step's saves are skipped and counted (``saves_skipped_busy``), never waited for.
+A dead cache server costs only saves. ``shutdown`` drains what is queued (bounded by the
+client's timeout per RPC); reservations left behind die with the connection, which the server
+aborts when it closes (and when the worker process dies).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from kvkeep.keys import BlockKey
+from kvkeep.server.client import CacheUnavailable, KVKeepClient, Session, SlotRef
+from kvkeep.store.base import checksum
+from kvkeep.vllm.layout import KVLayout
+from kvkeep.vllm.scheduling import BlockTransfer
+from kvkeep.vllm.transfer import Mover, Wait
+
+log = logging.getLogger("vllm.kvkeep")
+
+MIN_STAGING_BYTES = 64 << 20
+MAX_AUTO_STAGING_BYTES = 1 << 30  # pinned memory on CUDA: a bigger budget is asked for, not taken
+
+
+def staging_shape(step_blocks: int, block_bytes: int, staging_bytes: int | None) -> tuple[int, int]:
+    """(buffers, rows per buffer) of the staging memory: at least two buffers, each one
+    step's blocks where the budget allows. ``staging_bytes`` None: two full steps, within
+    [64 MiB, 1 GiB]."""
+    if staging_bytes is None:
+        two_steps = 2 * step_blocks * block_bytes
+        staging_bytes = max(MIN_STAGING_BYTES, min(MAX_AUTO_STAGING_BYTES, two_steps))
+    rows = max(1, min(step_blocks, staging_bytes // (2 * block_bytes)))
+    return max(2, staging_bytes // (rows * block_bytes)), rows
+
+
+class _Job(NamedTuple):
+    session: Session
+    keys: tuple[BlockKey, ...]  # row j of ``buffer`` holds keys[j]'s bytes
+    buffer: torch.Tensor
+    wait: Wait
+
+
+Count = Callable[[str, float], None]
+Timed = Callable[[str], contextlib.AbstractContextManager[None]]
+
+
+class Saver:
+    """Stages a step's new blocks and stores them in the background (see the module doc).
+
+    ``stage`` never raises and never blocks on the cache server. Not for concurrent ``stage``
+    calls (vLLM's worker calls it from one thread); the background thread is its own.
+    """
+
+    def __init__(
+        self,
+        client: KVKeepClient,
+        layout: KVLayout,
+        count: Count,
+        timed: Timed,
+        shape: tuple[int, int],
+        mover: Mover | None = None,
+    ) -> None:
+        """``shape``: (buffers, rows per buffer) of the staging memory (``staging_shape``)."""
+        self.client, self.layout = client, layout
+        self._count, self._timed = count, timed
+        self.mover = mover or Mover()
+        buffers, self.rows_per_buffer = shape
+        self._free: queue.Queue[torch.Tensor] = queue.Queue()
+        for _ in range(buffers):
+            self._free.put(self.mover.host_buffer(self.rows_per_buffer, layout.block_bytes))
+        self._jobs: queue.Queue[_Job | threading.Event | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="kvkeep-save", daemon=True)
+        self._thread.start()
+
+    # on the step ---------------------------------------------------------------------------
+
+    def stage(self, session: Session, saves: Sequence[BlockTransfer]) -> int:
+        """Copy the blocks of ``saves`` (the first block id of each key) out of the KV cache
+        and queue them for storing. Returns how many blocks were staged."""
+        by_key: dict[BlockKey, int] = {}
+        for block in saves:
+            by_key.setdefault(block.key, block.block_id)
+        items = list(by_key.items())
+        staged = 0
+        for start in range(0, len(items), self.rows_per_buffer):
+            chunk = items[start : start + self.rows_per_buffer]
+            if not self._stage_chunk(session, chunk):
+                self._count("saves_skipped_busy", len(items) - start)
+                break
+            staged += len(chunk)
+        return staged
+
+    def _stage_chunk(self, session: Session, chunk: list[tuple[BlockKey, int]]) -> bool:
+        try:
+            buffer = self._free.get_nowait()
+        except queue.Empty:
+            return False
+        rows = buffer[: len(chunk)]
+        ids = torch.tensor([block_id for _, block_id in chunk], dtype=torch.int64)
+        try:
+            with self._timed("copy_out_s"):
+                wait = self.mover.gather(self.layout, ids.to(self.layout.device), rows)
+        except Exception:
+            self._free.put(buffer)
+            raise
+        self._jobs.put(_Job(session, tuple(k for k, _ in chunk), buffer, wait))
+        return True
+
+    # in the background ---------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            if isinstance(job, threading.Event):  # drain(): everything before it is done
+                job.set()
+                continue
+            try:
+                self._store(job)
+            finally:
+                self._free.put(job.buffer)
+
+    def _store(self, job: _Job) -> None:
+        """RESERVE, copy rows into slots, checksum, COMMIT; on any failure publish nothing."""
+        slots: list[SlotRef] = []
+        try:
+            job.wait()
+            with self._timed("reserve_rpc_s"):
+                slots = self.client.reserve(job.session, job.keys)
+            if not slots:
+                return
+            crcs = self._fill(job, slots)
+            with self._timed("commit_rpc_s"):
+                self.client.commit(job.session, slots, crcs)
+            self._count("saved_tokens", len(slots) * self.layout.description.block_size)
+        except Exception as exc:
+            self._count("save_failures", 1)
+            log.debug("kvkeep: save failed: %s", exc)
+            with contextlib.suppress(CacheUnavailable):
+                self.client.release(slots)
+
+    def _fill(self, job: _Job, slots: Sequence[SlotRef]) -> list[int]:
+        """Copy each slot's row into it; the checksums of the slots' bytes, in order."""
+        row_of = {key: j for j, key in enumerate(job.keys)}
+        rows = job.buffer.numpy()
+        crcs = []
+        for slot in slots:
+            view = self.client.slot_view(slot)
+            with self._timed("slot_copy_s"):
+                np.copyto(view, rows[row_of[slot.key]])
+            with self._timed("checksum_s"):
+                crcs.append(checksum(view.data))
+        return crcs
+
+    # lifecycle -----------------------------------------------------------------------------
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every block staged so far was stored or failed; False on timeout."""
+        done = threading.Event()
+        self._jobs.put(done)
+        return done.wait(timeout_s)
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Store what is queued (bounded), stop the thread, close the connection."""
+        self._jobs.put(None)
+        self._thread.join(timeout=timeout_s)
+        self.client.close()

@@ -1,0 +1,132 @@
+"""The saver on a real cache server: what the step stages arrives with its own bytes, and
+nothing the server or staging does wrong blocks or breaks the step."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvkeep.keys import BlockKey, Namespace, chain_keys
+from kvkeep.server.client import KVKeepClient, Session
+from kvkeep.vllm.layout import KVLayout, LayoutDescription
+from kvkeep.vllm.saver import Saver, staging_shape
+from kvkeep.vllm.scheduling import BlockTransfer, Counters
+from serverproc import Server, stop_all
+
+L, B, H, N, C = 2, 12, 2, 16, 32
+NS = Namespace("tiny-model", "bfloat16", "LBHNC", "cpu", block_size=N)
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Server]:
+    (tmp_path / "srv").mkdir()
+    srv = Server(tmp_path / "srv", ["--ram", "8MiB", "--extent", "1MiB"])
+    srv.start()
+    yield srv
+    stop_all([srv])
+
+
+def engine() -> KVLayout:
+    """An LBHNC cache of one allocation, as vLLM registers it, with random contents."""
+    five = torch.randn(L, B, H, N, C).to(torch.bfloat16)
+    views = {f"layer{i}": five[i] for i in range(L)}
+    page = H * N * C * 2
+    desc = LayoutDescription("LBHNC", B, N, 1, tuple(views), page)
+    return KVLayout.build(desc, views)
+
+
+def block_bytes(layout: KVLayout, block_id: int) -> bytes:
+    out = np.zeros(layout.block_bytes, dtype=np.uint8)
+    layout.gather(block_id, out)
+    return out.tobytes()
+
+
+def make_saver(
+    srv: Server, layout: KVLayout, shape: tuple[int, int] = (4, 8), timeout: float = 2.0
+) -> tuple[Saver, Counters]:
+    counters = Counters()
+    client = KVKeepClient(srv.socket, timeout_s=timeout)
+    saver = Saver(client, layout, counters.add, counters.timed, shape)
+    return saver, counters
+
+
+def keys(n: int, offset: int = 0) -> list[BlockKey]:
+    return chain_keys(NS, list(range(offset, offset + n * N)), N)
+
+
+def stored(srv: Server, session: Session, ks: list[BlockKey]) -> list[bytes]:
+    client = KVKeepClient(srv.socket, timeout_s=5)
+    try:
+        slots = client.acquire(session, ks)
+        assert all(client.verify(s) for s in slots)
+        out = [client.slot_view(s).tobytes() for s in slots]
+        client.release(slots)
+        return out
+    finally:
+        client.close()
+
+
+def test_staged_blocks_arrive_under_their_keys_with_their_bytes(server: Server) -> None:
+    layout = engine()
+    saver, counters = make_saver(server, layout)
+    session = KVKeepClient.session(NS, layout.block_bytes)
+    ks = keys(5)
+    ids = [7, 2, 9, 4, 11]
+    first = [BlockTransfer(ids[i], ks[i]) for i in (0, 1)]
+    assert saver.stage(session, first) == 2 and saver.drain(10)
+    # the server skips the two it holds; rows must still pair with the right keys
+    saver.stage(session, [BlockTransfer(b, k) for b, k in zip(ids, ks, strict=True)])
+    assert saver.drain(10)
+    assert stored(server, session, ks) == [block_bytes(layout, b) for b in ids]
+    assert counters.values["saved_tokens"] == 5 * N
+    assert counters.values["save_failures"] == 0
+    saver.shutdown()
+
+
+def test_a_dead_server_costs_saves_only_and_frees_the_staging(server: Server) -> None:
+    layout = engine()
+    saver, counters = make_saver(server, layout, shape=(2, 1))
+    session = KVKeepClient.session(NS, layout.block_bytes)
+    server.kill()
+    for round_ in range(6):  # more rounds than staging buffers: each one came back
+        t0 = time.perf_counter()
+        assert saver.stage(session, [BlockTransfer(round_, keys(1, round_)[0])]) == 1
+        assert time.perf_counter() - t0 < 0.5  # the step never waits for the server
+        assert saver.drain(10)
+    assert counters.values["save_failures"] == 6
+    saver.shutdown()
+
+
+def test_a_stalled_server_never_stalls_the_step(server: Server) -> None:
+    """With the server stopped, RESERVE waits for its timeout in the background; the step
+    goes on, and skips (counts) saves once every staging buffer is in flight."""
+    layout = engine()
+    saver, counters = make_saver(server, layout, shape=(2, 1), timeout=1.0)
+    session = KVKeepClient.session(NS, layout.block_bytes)
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        t0 = time.perf_counter()
+        staged = [saver.stage(session, [BlockTransfer(i, keys(1, i)[0])]) for i in range(4)]
+        assert time.perf_counter() - t0 < 0.5
+        assert staged[:2] == [1, 1] and sum(staged) <= 3
+        assert counters.values["saves_skipped_busy"] >= 1
+        assert saver.drain(10)
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    saver.shutdown()
+
+
+def test_staging_holds_two_steps_by_default_and_splits_a_small_budget() -> None:
+    mib = 1 << 20
+    assert staging_shape(100, mib, None) == (2, 100)  # two full steps of 1 MiB blocks
+    assert staging_shape(10, mib, None) == (6, 10)  # at least 64 MiB
+    assert staging_shape(100, mib, 8 * mib) == (2, 4)  # a small budget: more, smaller jobs
+    assert staging_shape(100, 16 * mib, 1) == (2, 1)
+    assert staging_shape(768, 2 * mib, None) == (2, 256)  # capped at 1 GiB (pinned on CUDA)
