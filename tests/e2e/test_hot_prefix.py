@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvkeep.bench.deploy.vllm import LaunchConfig, launch
+from kvkeep.bench.deploy.vllm import LaunchConfig, VLLMServer
 from kvkeep.serve import CacheServerConfig, CacheServerProcess
 from kvkeep.server.client import KVKeepClient
 
@@ -60,7 +60,7 @@ def test_a_prefix_served_from_vllms_pool_stays_and_comes_back_first(
     socket_path = small_cache.cfg.socket_path
     cfg = LaunchConfig(model=tiny_model, mode="kvkeep", max_model_len=8192,
                        cache_socket=socket_path, log_dir=tmp_path / "logs")  # fmt: skip
-    with launch(cfg) as server:
+    with VLLMServer(cfg) as server:
         complete(server.url, hot)
         for prompt in others:
             complete(server.url, prompt)
@@ -71,7 +71,7 @@ def test_a_prefix_served_from_vllms_pool_stays_and_comes_back_first(
     assert ram_blocks < 12 * 8, "the RAM tier was meant to be too small for all traffic"
     assert held == 6, f"kvkeep's RAM kept {held} of the hot prompt's 6 blocks"
 
-    with launch(cfg) as server:  # empty device cache: the hot prefix comes from kvkeep
+    with VLLMServer(cfg) as server:  # empty device cache: the hot prefix comes from kvkeep
         served = complete(server.url, hot)
         counts = _settled_tokens(server.url, "loaded", 6 * BLOCK)
     assert served.cached_tokens == 6 * BLOCK
