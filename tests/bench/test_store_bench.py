@@ -17,8 +17,13 @@ def test_store_bench_writes_all_figures(tmp_path: Path, capsys: pytest.CaptureFi
     assert main([*argv, "--block", "256KiB", "--rebuild-blocks", "2000", "--lookups", "20"]) == 0
     results = json.loads(out.read_text())["results"]
     for name in (
-        "memcpy_gbps", "ram_put_gbps", "ram_get_gbps", "disk_get_gbps",
-        "disk_direct_read_gbps", "lookup_p99_ms", "rebuild_s_per_100k",
+        "memcpy_gbps", "ram_put_gbps", "ram_get_gbps", "ram_get_verified_gbps",
+        "disk_get_gbps", "disk_direct_read_gbps", "lookup_p99_ms", "rebuild_s_per_100k",
     ):  # fmt: skip
         assert results[name] > 0, name
-    assert "lookup_p99_ms" in capsys.readouterr().out
+    phases = results["disk_breakdown"]
+    for name in ("wall_s", "server_read_s", "client_acquire_s", "client_copy_s"):
+        assert phases[name] > 0, name
+    assert phases["server_read_s"] < phases["client_acquire_s"] < phases["wall_s"]
+    printed = capsys.readouterr().out
+    assert "lookup_p99_ms" in printed and "server_read_s" in printed

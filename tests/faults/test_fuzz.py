@@ -9,6 +9,7 @@ import contextlib
 import signal
 import socket
 import struct
+import time
 import tracemalloc
 from typing import Any
 
@@ -216,20 +217,30 @@ def test_bombs_and_bad_checksums_against_the_live_server(server: Server) -> None
     assert reply is not None and reply["error"]["code"] == "malformed"
     raw.close()
     assert server.rss() - baseline < 48 << 20
-    # A slot committed with a checksum that is no CRC-32 (negative, or past 32 bits) used to
-    # kill the write-behind thread (struct.error), after which SIGTERM hung on its queue.
+    # A slot committed with a checksum that is no u64 (negative, not an int) is refused. One
+    # past 32 bits used to kill the write-behind thread (struct.error) when checksums were
+    # CRC-32s, after which SIGTERM hung on its queue.
     raw = Raw(server)
     raw.sock.sendall(hello_frame())
     assert (raw.reply() or {}).get("ok")
     key = keys(1, offset=7_000)[0]
     raw.sock.sendall(p.frame(p.request_body(1, p.Op.RESERVE, {"ns": 0, "keys": [key]})))
     ((_, offset),) = (raw.reply() or {})["result"]["slots"]
-    for crc in (-1, 2**32, 2**40):
+    for crc in (-1, -(2**63), 1.5):  # any u64 is a checksum
         raw.sock.sendall(
             p.frame(p.request_body(2, p.Op.COMMIT, {"ns": 0, "slots": [[offset, crc]]}))
         )
         assert (raw.reply() or {})["error"]["code"] == "bad_request"
+    # The widest checksum is accepted; it is wrong for the slot's bytes, so the writer
+    # refuses to persist it (counted), and lives on.
+    commit = {"ns": 0, "slots": [[offset, 2**64 - 1]]}
+    raw.sock.sendall(p.frame(p.request_body(3, p.Op.COMMIT, commit)))
+    assert (raw.reply() or {})["result"]["committed"] == 1
     raw.close()
+    deadline = time.monotonic() + 5
+    while good.stats()["corrupt_writes"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert good.stats()["corrupt_writes"] == 1
     store(good, session, keys(4))
     assert fetch(good, session, keys(4)) == [payload(k).tobytes() for k in keys(4)]
     assert server.proc is not None

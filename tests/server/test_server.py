@@ -180,6 +180,9 @@ def _raw(server: Server, data: bytes) -> tuple[dict[str, Any] | None, bool]:
     return None, True
 
 
+V = p.PROTOCOL_VERSION
+
+
 def _frame(body: Any) -> bytes:
     data = msgpack.packb(body)
     return struct.pack(">I", len(data)) + data
@@ -189,17 +192,19 @@ def _frame(body: Any) -> bytes:
     "data,code,closes",
     [
         (_frame({"v": 99, "id": 1, "op": "STATS", "args": {}}), "version", True),
+        # a version-1 client sends CRC-32s: refused, never stored under another checksum
+        (_frame({"v": 1, "id": 1, "op": "STATS", "args": {}}), "version", True),
         (struct.pack(">I", p.MAX_FRAME_BYTES + 1), "frame_too_large", True),
         (struct.pack(">I", 3) + b"\xc1\xc1\xc1", "malformed", True),
         (_frame([1, 2, 3]), "malformed", True),
-        (_frame({"v": 1, "id": 1, "op": "NOPE", "args": {}}), "bad_request", False),
+        (_frame({"v": V, "id": 1, "op": "NOPE", "args": {}}), "bad_request", False),
         (
-            _frame({"v": 1, "id": 1, "op": "LOOKUP", "args": {"ns": 5, "keys": []}}),
+            _frame({"v": V, "id": 1, "op": "LOOKUP", "args": {"ns": 5, "keys": []}}),
             "unknown_namespace",
             False,
         ),
         (
-            _frame({"v": 1, "id": 1, "op": "LOOKUP", "args": {"ns": 0, "keys": [b"x"]}}),
+            _frame({"v": V, "id": 1, "op": "LOOKUP", "args": {"ns": 0, "keys": [b"x"]}}),
             "unknown_namespace",
             False,
         ),

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import struct
+import zlib
 from pathlib import Path
 
 from kvkeep.store.disk import HEADER_BYTES, DiskConfig, DiskTier
@@ -109,3 +111,23 @@ def test_oversized_record_is_rejected(tmp_path: Path) -> None:
     disk = make(tmp_path)
     assert not put(disk, 1, SEG)
     assert disk.stats().counters["rejected_puts"] == 1
+
+
+def _crc32_segment(path: Path, records: list[tuple[bytes, bytes]]) -> None:
+    """A segment as kvkeep wrote it before XXH3-64 (record format version 1, CRC-32s)."""
+    head = struct.Struct("<4sHHQ64sI")
+    with open(path, "wb") as f:
+        for k, data in records:
+            header = head.pack(b"KVKR", 1, 0, len(data), k, zlib.crc32(data))
+            f.write(header + struct.pack("<I", zlib.crc32(header)) + data)
+
+
+def test_segments_of_the_crc32_format_are_deleted_not_read(tmp_path: Path) -> None:
+    _crc32_segment(tmp_path / "seg-00000001.log", [(key(i), payload(i, 10 * KiB)) for i in (1, 2)])
+    disk = make(tmp_path)
+    assert not disk.contains(key(1)) and not disk.contains(key(2))
+    assert disk.stats().counters["checksum_failures"] == 0, "an old format is not corruption"
+    assert disk.stats().bytes_used == 0
+    assert put(disk, 3) and get(disk, 3) == payload(3, 10 * KiB)
+    disk.close()
+    assert get(make(tmp_path), 3) == payload(3, 10 * KiB)

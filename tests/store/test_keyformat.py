@@ -11,6 +11,7 @@ from kvkeep.store.remote import RemoteConfig
 # KEY_FORMAT_VERSION and add its answer here, never edit an existing one.
 KNOWN = {
     1: "ff961e9f2d7d485fdc554e71b53430073162b5f1fd908053f8689d1f47d8cb81",
+    2: "39284ac093879014a1fa7a8d3c69dc5ac2d7d2c9d99e1220ec71b2f564241818",
 }
 
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import struct
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 
+from kvkeep.store.keyformat import REMOTE_KEY_PREFIX
 from kvkeep.store.redis_process import RedisProcess, create_cluster, free_cluster_port
 from kvkeep.store.remote import (
     VALUE_HEADER,
@@ -105,7 +108,7 @@ def test_round_trip_through_a_fresh_tier(redis_server: RedisProcess) -> None:
     counters = reader.stats().counters
     assert (counters["hits"], counters["misses"], counters["errors"]) == (1, 2, 0)
     assert writer.stats().counters["bytes_in"] == 4 * BLOCK
-    stored = raw(redis_server).get(b"kvkeep:1:" + key(2))
+    stored = raw(redis_server).get(REMOTE_KEY_PREFIX + key(2))
     assert stored is not None and len(stored) == VALUE_HEADER.size + BLOCK
     writer.close(), reader.close()
 
@@ -116,7 +119,7 @@ def test_checksum_mismatch_is_a_counted_miss_and_deletes_the_value(
     tier = remote(redis_server)
     put(tier, 1)
     tier.flush()
-    rkey = b"kvkeep:1:" + key(1)
+    rkey = REMOTE_KEY_PREFIX + key(1)
     value = bytearray(raw(redis_server).get(rkey) or b"")
     value[-1] ^= 0xFF  # bit rot in the payload
     raw(redis_server).set(rkey, bytes(value))
@@ -125,9 +128,24 @@ def test_checksum_mismatch_is_a_counted_miss_and_deletes_the_value(
     assert tier.stats().counters["misses"] == 1
     assert raw(redis_server).exists(rkey) == 0, "a corrupt value is deleted for everyone"
     assert not tier.contains(key(1))
-    raw(redis_server).set(b"kvkeep:1:" + key(2), b"short")  # not even a header
+    raw(redis_server).set(REMOTE_KEY_PREFIX + key(2), b"short")  # not even a header
     assert tier.get(key(2), memoryview(bytearray(BLOCK))) is None
     assert tier.stats().counters["checksum_failures"] == 2
+
+
+def test_a_value_of_the_crc32_format_is_refused_not_misread(redis_server: RedisProcess) -> None:
+    """A value written by kvkeep before XXH3-64 ("KVB1": length u32, CRC-32 u32), even one
+    found under the current prefix, is a counted miss and deleted; its bytes are never
+    served. (Under its own prefix, ``kvkeep:1:``, it is never even asked for.)"""
+    tier = remote(redis_server)
+    data = payload(3, BLOCK)
+    old = struct.pack("<4sII", b"KVB1", BLOCK, zlib.crc32(data)) + data
+    raw(redis_server).set(REMOTE_KEY_PREFIX + key(3), old)
+    out = bytearray(BLOCK)
+    assert tier.get(key(3), memoryview(out)) is None
+    assert tier.stats().counters["checksum_failures"] == 1
+    assert raw(redis_server).exists(REMOTE_KEY_PREFIX + key(3)) == 0
+    assert REMOTE_KEY_PREFIX != b"kvkeep:1:", "the CRC-32 format's keys are not this format's"
     tier.close()
 
 

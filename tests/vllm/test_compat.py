@@ -100,11 +100,20 @@ class FakeClient:
     socket_path = "/nonexistent/kvkeep.sock"
     session = staticmethod(KVKeepClient.session)
 
+    timeout_s = 1.0
+
     def __init__(self) -> None:
         self.lookups: list[int] = []
+        self.touches: list[list[bytes]] = []
 
     def hello(self, *args: Any) -> None:
         raise CacheUnavailable("down")
+
+    def sibling(self) -> FakeClient:
+        return self
+
+    def touch(self, session: Any, keys: list[bytes]) -> None:
+        self.touches.append(list(keys))
 
     def lookup(self, session: Any, keys: list[bytes]) -> LookupResult:
         self.lookups.append(len(keys))
@@ -147,6 +156,24 @@ def test_a_plain_request_is_looked_up_tracked_and_saved(
     plan = scheduler.plan(first_step(req))
     assert plan is not None
     assert [s.block_id for s in plan.saves] == [0, 1, 2]
+
+
+def test_the_prefix_vllm_serves_itself_is_touched_once_off_the_thread(
+    side: tuple[SchedulerSide, FakeClient],
+) -> None:
+    scheduler, client = side
+    req = request()
+    assert scheduler.match(req, 2 * BS) == BS  # vLLM holds 2 blocks; kvkeep has the 3rd
+    assert client.lookups == [1], "the LOOKUP still asks only beyond vLLM's hit"
+    scheduler.after_alloc(req, blocks(4), BS)
+    scheduler.refresher.flush()
+    keys = scheduler.book.leading_keys(req.request_id, 3)
+    assert client.touches == [keys[:2]], "one TOUCH, of exactly the device-hit blocks"
+    cold = request("cold")
+    scheduler.match(cold, 0)
+    scheduler.after_alloc(cold, blocks(4), 3 * BS)
+    scheduler.refresher.flush()
+    assert len(client.touches) == 1, "no device hit, nothing to refresh"
 
 
 def test_a_lora_request_is_not_looked_up_nor_saved(

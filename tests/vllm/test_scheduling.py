@@ -113,6 +113,19 @@ def test_alloc_loads_the_external_blocks_after_the_local_hit() -> None:
     assert book.saves_after("r", 21, prompt, None) == [BlockTransfer(14, keys[4])]
 
 
+def test_the_device_hit_keys_are_known_at_alloc_for_refreshing() -> None:
+    book = RequestBook(NS)
+    prompt = tokens(41)  # 10 full blocks
+    keys = chain_keys(NS, prompt, BS)
+    assert book.local_blocks("r") == 0 and book.leading_keys("r", 3) == []
+    book.remember_match("r", Match(12, 41, 2))  # vLLM holds 3 blocks, kvkeep 2 more
+    assert book.local_blocks("r") == 3
+    book.on_alloc("r", prompt, None, list(range(11)), 8)
+    assert book.leading_keys("r", 3) == keys[:3]
+    book.finish("r")
+    assert book.leading_keys("r", 3) == []
+
+
 def test_saves_follow_every_chunk_and_decode_exactly_once() -> None:
     book = RequestBook(NS)
     seq = tokens(10)

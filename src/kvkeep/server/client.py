@@ -140,6 +140,12 @@ class KVKeepClient:
                 found = p.LookupReply.decode(reply)
                 return LookupResult(found.num_present, tuple(names[t] for t in found.tiers))
 
+    def touch(self, session: Session, keys: Sequence[BlockKey]) -> None:
+        """Refresh the recency of the ``keys`` the server's RAM holds, ``keys[0]`` most (for
+        blocks the engine serves from its own pool, so they stay in kvkeep's RAM too)."""
+        with self._op():
+            self._call_ns(session, lambda ns: p.TouchRequest(tuple(keys), ns))
+
     def reserve(self, session: Session, keys: Sequence[BlockKey]) -> list[SlotRef]:
         """Slots to write blocks into, for keys not stored yet (others are skipped).
 
@@ -175,7 +181,7 @@ class KVKeepClient:
             with self._parsing(p.Op.ACQUIRE):
                 slots = p.AcquireReply.decode(reply).slots
                 return [
-                    self._slot(k, s.offset, session, s.crc)
+                    self._slot(k, s.offset, session, s.checksum)
                     for k, s in zip(keys, slots, strict=False)
                 ]
 

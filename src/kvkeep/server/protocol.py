@@ -1,4 +1,4 @@
-"""The control-plane wire protocol, version 1. Block bytes never travel here (see the arena).
+"""The control-plane wire protocol, version 2. Block bytes never travel here (see the arena).
 
 Framing: every message is ``length (u32 big-endian) || msgpack body``; bodies over
 ``MAX_FRAME_BYTES`` are refused and the connection closed. A request body is the map
@@ -13,8 +13,9 @@ frame, and seconds of the event loop).
 Operations. Each has a typed request and reply below (``AuthRequest`` ... ``StatsReply``);
 their ``encode`` gives the args or result map, their ``decode`` validates one. ``ns`` is the
 id HELLO returned on this connection; a key is a 32-byte block key (the server prefixes it
-with the namespace, see ``kvkeep.store.keyformat``); an offset names an arena slot; a crc32
-is the CRC-32 of a block's bytes (< 2**32). Every int is non-negative::
+with the namespace, see ``kvkeep.store.keyformat``); an offset names an arena slot; a
+checksum is ``kvkeep.store.base.checksum`` (XXH3-64) of a block's bytes, a u64 (version 1
+carried CRC-32s: its clients are refused with ``version``). Every int is non-negative::
 
     AUTH    {token: bin}  -> {}                 (TCP: required first; wrong token: fatal)
     HELLO   {namespace: bin32, block_bytes: int, label: str (optional, cut to 200)}
@@ -26,10 +27,13 @@ is the CRC-32 of a block's bytes (< 2**32). Every int is non-negative::
     RESERVE {keys: [bin32], ns}  -> {slots: [[index, offset]]}
             slots to write keys[index] into; skips keys already stored, stops at the first
             key no slot can be freed for (RAM all pinned)
-    COMMIT  {slots: [[offset, crc32]], ns}  -> {committed: int}
+    COMMIT  {slots: [[offset, checksum]], ns}  -> {committed: int}
             publishes slots this connection reserved; others are ignored (not counted)
-    ACQUIRE {keys: [bin32], ns}  -> {slots: [[offset, crc32]]}
+    ACQUIRE {keys: [bin32], ns}  -> {slots: [[offset, checksum]]}
             pins the leading present keys (loaded from lower tiers if needed) for reading
+    TOUCH   {keys: [bin32], ns}  -> {}
+            the keys held in RAM become the most recently used, keys[0] most of all; no
+            hit is counted (the engine serves them from its own pool: keep them warm)
     RELEASE {slots: [offset], corrupt: [offset] (optional)}  -> {}
             unpins acquired slots and aborts reserved ones (others are ignored); ``corrupt``
             names acquired slots whose bytes failed the client's checksum: the server checks
@@ -58,14 +62,13 @@ import msgpack
 
 from kvkeep.store.slots import Offset
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: 64-bit checksums, TOUCH
 MAX_FRAME_BYTES = 8 << 20
 MAX_KEYS_PER_REQUEST = 65536
 KEY_BYTES = 32
 MAX_MAP_ITEMS = 256  # envelopes, args and STATS replies are small maps
-MAX_DECODED_ITEMS = 4 * MAX_KEYS_PER_REQUEST  # a COMMIT of 65,536 [offset, crc] rows: 3×
-MAX_WIRE_INT = 2**64 - 1  # offsets and checksums must fit msgpack's uint64
-CRC_LIMIT = 2**32  # a CRC-32
+MAX_DECODED_ITEMS = 4 * MAX_KEYS_PER_REQUEST  # a COMMIT of 65,536 [offset, checksum] rows: 3×
+MAX_WIRE_INT = 2**64 - 1  # offsets and checksums (store.base.CHECKSUM_BITS) fit msgpack's uint64
 MAX_LABEL_CHARS = 200
 FRAME_HEADER = struct.Struct(">I")
 
@@ -79,6 +82,7 @@ class Op(enum.Enum):
     ACQUIRE = "ACQUIRE"
     RELEASE = "RELEASE"
     STATS = "STATS"
+    TOUCH = "TOUCH"
 
 
 class ErrorCode(enum.Enum):
@@ -334,7 +338,7 @@ class HelloReply(_Message):
 
 @dataclass(frozen=True)
 class KeysRequest(_Message):
-    """LOOKUP, RESERVE and ACQUIRE: block keys in one namespace."""
+    """LOOKUP, RESERVE, ACQUIRE and TOUCH: block keys in one namespace."""
 
     OP: ClassVar[Op]
     keys: tuple[bytes, ...]
@@ -382,26 +386,20 @@ class ReserveReply(_Message):
 
 class ChecksummedSlot(NamedTuple):
     offset: Offset
-    crc: int
-
-
-def _checksummed(args: dict[str, Any]) -> tuple[ChecksummedSlot, ...]:
-    rows = arg_int_list(args, "slots", 2)
-    if any(crc >= CRC_LIMIT for _, crc in rows):
-        raise ProtocolError(ErrorCode.BAD_REQUEST, "a checksum is a CRC-32: < 2**32")
-    return tuple(ChecksummedSlot(Offset(o), crc) for o, crc in rows)
+    checksum: int  # of the slot's bytes: a u64, as every wire int is checked to be
 
 
 @dataclass(frozen=True)
 class CommitRequest(_Message):
     OP: ClassVar[Op] = Op.COMMIT
-    slots: tuple[ChecksummedSlot, ...]  # the crc32 the client computed over each slot
+    slots: tuple[ChecksummedSlot, ...]  # the checksum the client computed over each slot
     ns: int
 
     @classmethod
     def decode(cls, args: dict[str, Any], announced: int = 0) -> Self:
         ns = _announced(args, announced)
-        return cls(_checksummed(args), ns)
+        rows = arg_int_list(args, "slots", 2)
+        return cls(tuple(ChecksummedSlot(Offset(o), c) for o, c in rows), ns)
 
 
 @dataclass(frozen=True)
@@ -420,7 +418,7 @@ class AcquireRequest(KeysRequest):
 
 @dataclass(frozen=True)
 class AcquireReply(_Message):
-    slots: tuple[ChecksummedSlot, ...]  # pinned, for the leading keys; crc as stored
+    slots: tuple[ChecksummedSlot, ...]  # pinned, for the leading keys; checksum as stored
 
     @classmethod
     def decode(cls, result: dict[str, Any]) -> Self:
@@ -428,10 +426,15 @@ class AcquireReply(_Message):
 
 
 @dataclass(frozen=True)
+class TouchRequest(KeysRequest):
+    OP: ClassVar[Op] = Op.TOUCH
+
+
+@dataclass(frozen=True)
 class ReleaseRequest(_Message):
     OP: ClassVar[Op] = Op.RELEASE
     slots: tuple[Offset, ...]
-    corrupt: tuple[Offset, ...] = ()  # acquired slots among ``slots`` that failed the crc
+    corrupt: tuple[Offset, ...] = ()  # acquired slots among ``slots`` that failed the check
 
     def encode(self) -> dict[str, Any]:
         return {"slots": self.slots, **({"corrupt": self.corrupt} if self.corrupt else {})}
@@ -479,6 +482,7 @@ RequestMessage = (
     | AcquireRequest
     | ReleaseRequest
     | StatsRequest
+    | TouchRequest
 )
 ReplyMessage = (
     EmptyReply | HelloReply | LookupReply | ReserveReply | CommitReply | AcquireReply | StatsReply

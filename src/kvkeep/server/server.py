@@ -254,6 +254,9 @@ class CacheServer:
                 return self._release(conn, message)
             case p.StatsRequest():
                 return p.StatsReply(self.stats(integrity=message.integrity))
+            case p.TouchRequest():
+                self.store.refresh(self._keys(conn, message)[1])
+                return p.EmptyReply()
         raise AssertionError(f"no handler for {request.op}")  # decode_message covers every op
 
     def _auth(self, conn: _Connection, request: p.AuthRequest) -> p.EmptyReply:
@@ -310,7 +313,7 @@ class CacheServer:
 
     def _commit(self, conn: _Connection, request: p.CommitRequest) -> p.CommitReply:
         store, holder = self.store, conn.holder
-        return p.CommitReply(sum(store.commit(s.offset, s.crc, holder) for s in request.slots))
+        return p.CommitReply(sum(store.commit(s.offset, s.checksum, holder) for s in request.slots))
 
     async def _acquire(self, conn: _Connection, request: p.AcquireRequest) -> p.AcquireReply:
         """RAM hits are pinned on the loop thread; the rest, if a lower tier holds the next

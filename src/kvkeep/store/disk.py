@@ -6,10 +6,14 @@ Directory layout::
     DIR/seg-00000001.idx   written (tmp + rename) when the segment is sealed: the index of
                            every record in it, checksummed, so start-up never reads the .log
 
-A record is ``header || payload``; the header (88 bytes, little-endian) is::
+A record is ``header || payload``; the header (96 bytes, little-endian) is::
 
     magic "KVKR" | version u16 | kind u16 (0 data, 1 tombstone) | length u64 |
-    key 64 bytes | payload crc32 u32 | header crc32 u32 (over the 84 bytes before it)
+    key 64 bytes | payload checksum u64 | header checksum u64 (over the 88 bytes before it)
+
+Checksums are ``kvkeep.store.base.checksum`` (XXH3-64). ``VERSION`` names the record and index
+format, checksum included: version 1 held CRC-32s. A segment written in another version is
+never read: start-up deletes it (logged), so its blocks are recomputed, never misread.
 
 Crash safety: a record is one ``pwritev`` at the end of the active segment. After SIGKILL the
 active segment may end in a torn record; the start-up scan stops at the first header that does
@@ -36,7 +40,6 @@ import os
 import struct
 import threading
 import time
-import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,18 +47,20 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvkeep.store.base import Found, StoreKey, TierCounters, TierStats
+from kvkeep.store.base import Found, StoreKey, TierCounters, TierStats, checksum
 from kvkeep.store.keyformat import namespace_of
 
 MAGIC = b"KVKR"
 INDEX_MAGIC = b"KVKI"
-VERSION = 1
+VERSION = 2  # 2: XXH3-64 checksums (1: CRC-32)
 KIND_DATA, KIND_TOMBSTONE = 0, 1
-_HEADER = struct.Struct("<4sHHQ64sI")
-HEADER_BYTES = _HEADER.size + 4
-_INDEX_HEADER = struct.Struct("<4sHHQQI")  # magic, version, pad, count, segment size, body crc
+_HEADER = struct.Struct("<4sHHQ64sQ")
+_HEADER_SUM = struct.Struct("<Q")
+HEADER_BYTES = _HEADER.size + _HEADER_SUM.size
+_PREAMBLE = struct.Struct("<4sH")  # what every version's record and index start with
+_INDEX_HEADER = struct.Struct("<4sHHQQQ")  # magic, version, pad, count, segment size, checksum
 _INDEX_DTYPE = np.dtype(
-    [("key", "u1", (64,)), ("offset", "<u8"), ("length", "<u8"), ("crc", "<u4"), ("kind", "<u4")]
+    [("key", "u1", (64,)), ("offset", "<u8"), ("length", "<u8"), ("crc", "<u8"), ("kind", "<u8")]
 )
 _MiB = 1 << 20
 
@@ -90,7 +95,8 @@ class DiskConfig:
 
 
 class Record(NamedTuple):
-    """One record of a segment, as found in its index or by a scan."""
+    """One record of a segment, as found in its index or by a scan. ``crc`` is the payload's
+    ``checksum`` (the name is older than the switch from CRC-32)."""
 
     key: StoreKey
     offset: int  # of the payload
@@ -117,14 +123,17 @@ class _Segment:
 
 def pack_header(kind: int, key: bytes, length: int, crc: int) -> bytes:
     head = _HEADER.pack(MAGIC, VERSION, kind, length, key, crc)
-    return head + struct.pack("<I", zlib.crc32(head))
+    return head + _HEADER_SUM.pack(checksum(head))
 
 
 def unpack_header(raw: bytes, payload_offset: int) -> Record | None:
     """The record a header describes, or None if it is not a valid header."""
-    if len(raw) != HEADER_BYTES or zlib.crc32(raw[:-4]) != struct.unpack("<I", raw[-4:])[0]:
+    if len(raw) != HEADER_BYTES:
         return None
-    magic, version, kind, length, key, crc = _HEADER.unpack(raw[:-4])
+    head = raw[: _HEADER.size]
+    if checksum(head) != _HEADER_SUM.unpack_from(raw, _HEADER.size)[0]:
+        return None
+    magic, version, kind, length, key, crc = _HEADER.unpack(head)
     if magic != MAGIC or version != VERSION or kind not in (KIND_DATA, KIND_TOMBSTONE):
         return None
     return Record(StoreKey(key), payload_offset, length, crc, kind)
@@ -163,14 +172,19 @@ class DiskTier:
             self._counters.misses += 1
             return None
         target, header = out[: loc.length], bytearray(HEADER_BYTES)
+        started = time.perf_counter_ns()
         try:
             wanted = HEADER_BYTES + loc.length
             complete = os.preadv(fd, [header, target], loc.offset - HEADER_BYTES) == wanted
         except OSError:  # the segment was evicted (its fd closed) while we read it
             complete = False
+        read = time.perf_counter_ns()
         record = unpack_header(bytes(header), loc.offset) if complete else None
         expected = Record(key, loc.offset, loc.length, loc.crc, KIND_DATA)
-        if record != expected or zlib.crc32(target) != loc.crc:
+        intact = record == expected and checksum(target) == loc.crc
+        self._counters.read_ns += read - started
+        self._counters.verify_ns += time.perf_counter_ns() - read
+        if not intact:
             self._drop_corrupt(key, loc)
             return None
         self._counters.hits += 1
@@ -352,6 +366,7 @@ class DiskTier:
         """Replay every segment, oldest first; later records and tombstones win."""
         self._remove_strays()
         ids = sorted(int(p.stem.split("-")[1]) for p in self.dir.glob("seg-*.log"))
+        ids = self._drop_other_versions(ids)
         for segment_id in ids:
             segment = self._open_segment(segment_id)
             self._load_segment(segment, is_last=segment_id == ids[-1])
@@ -365,6 +380,21 @@ class DiskTier:
         for path in self.dir.glob("seg-*.idx"):
             if not path.with_suffix(".log").exists():
                 path.unlink(missing_ok=True)
+
+    def _drop_other_versions(self, ids: list[int]) -> list[int]:
+        """Delete the segments (and their indexes) written in another record format; the ids
+        of the others. Their checksums mean something else, so they are never read."""
+        others = [i for i in ids if _format_version(self._path(i, "log")) not in (None, VERSION)]
+        for segment_id in others:
+            self._path(segment_id, "idx").unlink(missing_ok=True)
+            self._path(segment_id, "log").unlink(missing_ok=True)
+        if others:
+            log.warning(
+                "disk tier %s: deleted %d segments of another record format (this kvkeep "
+                "writes version %d); their blocks will be recomputed", self.dir, len(others),
+                VERSION,
+            )  # fmt: skip
+        return [i for i in ids if i not in others]
 
     def _load_segment(self, segment: _Segment, is_last: bool) -> None:
         records = read_index(self._path(segment.id, "idx"), segment.size)
@@ -403,6 +433,17 @@ class DiskTier:
         return records
 
 
+def _format_version(path: Path) -> int | None:
+    """The version the segment's first record names; None if it has no readable record
+    header (empty, or torn: the scan deals with those)."""
+    with open(path, "rb") as f:
+        raw = f.read(_PREAMBLE.size)
+    if len(raw) < _PREAMBLE.size:
+        return None
+    magic, version = _PREAMBLE.unpack(raw)
+    return int(version) if magic == MAGIC else None
+
+
 def write_index(path: Path, records: list[Record], segment_size: int) -> None:
     """Write a segment's index atomically (tmp + fsync + rename)."""
     table = np.zeros(len(records), dtype=_INDEX_DTYPE)
@@ -413,9 +454,7 @@ def write_index(path: Path, records: list[Record], segment_size: int) -> None:
         table["crc"] = [r.crc for r in records]
         table["kind"] = [r.kind for r in records]
     body = table.tobytes()
-    header = _INDEX_HEADER.pack(
-        INDEX_MAGIC, VERSION, 0, len(records), segment_size, zlib.crc32(body)
-    )
+    header = _INDEX_HEADER.pack(INDEX_MAGIC, VERSION, 0, len(records), segment_size, checksum(body))
     tmp = path.with_suffix(".idx.tmp")
     try:
         with open(tmp, "wb") as f:
@@ -439,7 +478,7 @@ def read_index(path: Path, segment_size: int) -> list[Record] | None:
     magic, version, _, count, size, crc = _INDEX_HEADER.unpack_from(raw)
     body = raw[_INDEX_HEADER.size :]
     valid = magic == INDEX_MAGIC and version == VERSION and size == segment_size
-    if not valid or len(body) != count * _INDEX_DTYPE.itemsize or zlib.crc32(body) != crc:
+    if not valid or len(body) != count * _INDEX_DTYPE.itemsize or checksum(body) != crc:
         return None
     table = np.frombuffer(body, dtype=_INDEX_DTYPE)
     keys = table["key"].tobytes()

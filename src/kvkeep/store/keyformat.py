@@ -3,7 +3,7 @@
 A stored block's key is 64 bytes::
 
     store key  = namespace digest (32) || block key (32)
-    namespace digest = sha256("kvkeep/store-ns\\0" || client digest (32) || block_bytes u64 LE)
+    namespace digest = sha256("kvkeep/store-ns/v2\\0" || client digest (32) || block_bytes u64 LE)
 
 The client digest is ``kvkeep.keys.Namespace.digest()`` (model, dtypes, layout, block size,
 rank, cache_salt, format version); the block key is its sha256 chain over tokens. Folding
@@ -15,6 +15,11 @@ and the remote tier uses ``kvkeep:<KEY_FORMAT_VERSION>:`` || store key. Changing
 derived silently orphans every stored block, so any change must bump ``KEY_FORMAT_VERSION``
 (which also moves the remote tier's default prefix); ``tests/store/test_keyformat.py`` pins a
 known answer per version and fails on a change that does not.
+
+Versions: 1, CRC-32 checksums. 2, XXH3-64 checksums in every stored value: the version is
+folded into the namespace digest, so no key of one version equals a key of another anywhere,
+and the remote prefix moves, so servers of both versions can share one Valkey without each
+deleting the other's values as corrupt (the disk tier's own ``VERSION`` refuses old records).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import hashlib
 from collections.abc import Sequence
 from typing import NewType
 
-KEY_FORMAT_VERSION = 1
+KEY_FORMAT_VERSION = 2
 
 StoreKey = NewType("StoreKey", bytes)
 """64 bytes: namespace digest (32) + block key (32). Keys of two namespaces never alias."""
@@ -34,14 +39,13 @@ NamespaceDigest = NewType("NamespaceDigest", bytes)
 DIGEST_BYTES = 32
 STORE_KEY_BYTES = 2 * DIGEST_BYTES
 REMOTE_KEY_PREFIX = f"kvkeep:{KEY_FORMAT_VERSION}:".encode()
+_NAMESPACE_TAG = f"kvkeep/store-ns/v{KEY_FORMAT_VERSION}\0".encode()
 
 
 def namespace_digest(client_digest: bytes, block_bytes: int) -> NamespaceDigest:
     """The namespace a client's blocks of ``block_bytes`` bytes are stored under. Pure."""
     return NamespaceDigest(
-        hashlib.sha256(
-            b"kvkeep/store-ns\0" + client_digest + block_bytes.to_bytes(8, "little")
-        ).digest()
+        hashlib.sha256(_NAMESPACE_TAG + client_digest + block_bytes.to_bytes(8, "little")).digest()
     )
 
 

@@ -25,7 +25,7 @@ count from the slots and names what disagrees.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvkeep.store.base import Found, StoreKey, TierCounters, TierStats, checksum
@@ -160,6 +160,20 @@ class ArenaTier:
                 return False
             self._class_of(offset).lru.touch(offset)
             return True
+
+    def touch_many(self, keys: Sequence[StoreKey]) -> int:
+        """Mark the committed ``keys`` most recent, ``keys[0]`` most of all (no hit counted);
+        how many were here. Last key first, so that when a chain ages its tail goes before
+        its head: a chain without its head is useless, one without its tail is a shorter hit.
+        One lock for all: a whole prompt's prefix costs one call."""
+        touched = 0
+        with self._lock:
+            for key in reversed(keys):
+                offset = self._index.get(key)
+                if offset is not None and self._slots[offset].committed:
+                    self._class_of(offset).lru.touch(offset)
+                    touched += 1
+        return touched
 
     def unpin(self, offset: Offset, holder: Holder = INTERNAL) -> bool:
         """Drop one of ``holder``'s pins on ``offset``. False (a no-op) if it holds none."""

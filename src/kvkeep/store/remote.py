@@ -3,12 +3,14 @@
 Keys and values::
 
     key   = PREFIX || store key (64 bytes, see ``keyformat``), binary-safe
-    value = "KVB1" | length u32 | crc32 u32 (little-endian) || payload
+    value = "KVB2" | length u32 | checksum u64 (little-endian) || payload
 
 The namespace digest in every key means two models, layouts or kvkeep formats never alias;
 the prefix (default ``kvkeep:<key format version>:``) keeps kvkeep's keys apart from anything
-else in the database. Every load checks the payload against the CRC-32 it was stored with; a
-mismatch is a counted miss and the key is deleted.
+else in the database. Every load checks the payload against the checksum it was stored with
+(``kvkeep.store.base.checksum``, XXH3-64) while copying it out; a mismatch, or a value of
+another format (``VALUE_MAGIC``; "KVB1" held CRC-32s), is a counted miss and the key is
+deleted.
 
 Capacity belongs to the remote server: kvkeep never deletes blocks to make room. Run it with
 ``maxmemory <size>`` and ``maxmemory-policy allkeys-lru`` so that old blocks go first; an
@@ -32,21 +34,20 @@ import enum
 import logging
 import struct
 import threading
-import zlib
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 from urllib.parse import unquote
 
-from kvkeep.store.base import Found, StoreKey, TierCounters, TierStats
+from kvkeep.store.base import Found, StoreKey, TierCounters, TierStats, copy_checked
 from kvkeep.store.keyformat import REMOTE_KEY_PREFIX
 from kvkeep.store.throttle import Breaker, TokenBucket
 
 log = logging.getLogger("kvkeep.remote")
 
-VALUE_HEADER = struct.Struct("<4sII")
-VALUE_MAGIC = b"KVB1"
+VALUE_HEADER = struct.Struct("<4sIQ")
+VALUE_MAGIC = b"KVB2"  # the value format, checksum included: "KVB1" held CRC-32s
 _SCHEMES = {"redis": False, "valkey": False, "rediss": True, "valkeys": True}
 _BATCH_BYTES = 8 << 20  # one write pipeline carries at most this much
 
@@ -222,12 +223,13 @@ class Value(NamedTuple):
 
 
 def unpack_value(raw: bytes) -> Value | None:
-    """The checksum and payload of a stored value whose payload checks out; None otherwise."""
+    """The checksum and payload of a stored value of this format whose length checks out;
+    None otherwise. The payload is not checked against the checksum here (see ``get``)."""
     if len(raw) < VALUE_HEADER.size:
         return None
     magic, length, crc = VALUE_HEADER.unpack_from(raw)
     payload = memoryview(raw)[VALUE_HEADER.size :]
-    if magic != VALUE_MAGIC or len(payload) != length or zlib.crc32(payload) != crc:
+    if magic != VALUE_MAGIC or len(payload) != length:
         return None
     return Value(crc, payload)
 
@@ -236,6 +238,7 @@ class RemoteTier:
     """The shared tier. Thread-safe; never raises for remote failures (see the module doc)."""
 
     name = "remote"
+    parallel_reads = True  # a get is a network round trip: the tiered store overlaps several
 
     def __init__(
         self, config: RemoteConfig, client_factory: Callable[[RemoteConfig], Any] = connect
@@ -285,13 +288,16 @@ class RemoteTier:
         except _RemoteDown:
             raw = None
         value = unpack_value(raw) if raw is not None else None
-        if raw is not None and value is None:
-            self._corrupt(key)
         if value is None or len(value.payload) > len(out):
+            if raw is not None and value is None:
+                self._corrupt(key)
             self._miss(key)
             return None
         crc, payload = value
-        out[: len(payload)] = payload
+        if not copy_checked(out, payload, crc):
+            self._corrupt(key)
+            self._miss(key)
+            return None
         self._known.add(key)
         self._counters.hits += 1
         self._counters.bytes_out += len(payload)

@@ -164,8 +164,9 @@ class TieredStore:
     # --- writing ---------------------------------------------------------------------------
 
     def reserve(self, key: StoreKey, length: int, holder: Holder = INTERNAL) -> Reservation:
-        """A RAM slot for ``holder`` to write ``key`` into, unless some tier already holds it."""
-        if any(t.contains(key) for t in self._lower):
+        """A RAM slot for ``holder`` to write ``key`` into, unless some tier already holds it.
+        A save of a block RAM holds refreshes it there (most recent): it is in use."""
+        if self._ram.touch(key) or any(t.contains(key) for t in self._lower):
             return Reservation(ReserveStatus.PRESENT)
         offset = self._ram.reserve(key, length, holder)
         if offset is not None:
@@ -187,6 +188,12 @@ class TieredStore:
             if reservation.offset is not None:
                 reserved.append(Reserved(index, reservation.offset))
         return reserved
+
+    def refresh(self, keys: Sequence[StoreKey]) -> int:
+        """Mark the ``keys`` RAM holds most recent, ``keys[0]`` most of all; how many it
+        holds. For blocks the engine serves from its own pool: they are in use, so they must
+        not age out of RAM. No I/O, one lock; nothing else changes (no hit is counted)."""
+        return self._ram.touch_many(keys)
 
     def commit(self, offset: Offset, crc: int, holder: Holder = INTERNAL) -> bool:
         """Publish a slot ``holder`` reserved and queue it for the lower tiers; never blocks.
@@ -239,16 +246,41 @@ class TieredStore:
         return pinned
 
     def acquire_below(self, keys: Sequence[StoreKey], length: int, holder: Holder) -> list[Pinned]:
-        """Pin for ``holder`` the leading present ``keys``, promoting each from a lower tier
-        (loaded in parallel: several reads in flight keep the disk queue full and overlap
-        CRC checks with I/O). Blocks on I/O: call it off the event loop. A block loaded past
-        the first miss is promoted but not pinned for ``holder``."""
-        hits = list(self._loader.map(lambda key: self.acquire(key, length, holder), keys))
+        """Pin for ``holder`` the leading present ``keys``, promoting each from a lower tier.
+        Blocks on I/O: call it off the event loop. A block loaded past the first miss is
+        promoted but not pinned for ``holder``.
+
+        Blocks of the disk (and RAM) are loaded on this thread one after another, in chain
+        order, stopping at the first miss: a prompt's blocks were saved in that order, so
+        this is file order and the kernel's readahead streams the segment while each block
+        is checked. (Four parallel readers measured 1.5 GB/s here against 2.1 GB/s for one
+        in order: they defeat the readahead.) Blocks whose first holder has
+        ``parallel_reads`` (the remote tier) are loaded meanwhile in the loader pool.
+        """
+        hits: list[Pinned | None] = [None] * len(keys)
+        pending = {}
+        for index, key in enumerate(keys):
+            if self._parallel_source(key):
+                pending[index] = self._loader.submit(self.acquire, key, length, holder)
+                continue
+            hits[index] = self.acquire(key, length, holder)
+            if hits[index] is None:
+                break
+        for index, future in pending.items():
+            hits[index] = future.result()
         leading = [hit for hit in itertools.takewhile(lambda h: h is not None, hits) if hit]
         for hit in hits[len(leading) :]:
             if hit is not None:
                 self._ram.unpin(hit.offset, holder)
         return leading
+
+    def _parallel_source(self, key: StoreKey) -> bool:
+        """Whether ``key`` would be loaded from a tier with ``parallel_reads`` (not from RAM
+        or from a faster tier)."""
+        if self._ram.contains(key):
+            return False
+        tier = next((t for t in self._lower if t.contains(key)), None)
+        return tier is not None and getattr(tier, "parallel_reads", False)
 
     def view(self, offset: Offset, length: int) -> memoryview:
         """The bytes of a RAM slot (a reserved one to write, a pinned one to read); no copy."""
@@ -391,5 +423,5 @@ class _Probe:
 
 
 def verify(data: memoryview, expected: int) -> bool:
-    """Whether ``data`` has the CRC-32 ``expected``."""
+    """Whether ``data`` has the checksum ``expected``."""
     return checksum(data) == expected

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvkeep.server.client import CacheUnavailable, KVKeepClient
 from kvkeep.vllm import compat
+from kvkeep.vllm.refresh import Refresher
 from kvkeep.vllm.scheduling import (
     BlockTransfer,
     ClaimRange,
@@ -44,6 +45,7 @@ class SchedulerSide:
         self.counters = Counters()
         self._requests: dict[str, Any] = {}  # req_id -> vLLM Request, while tracked
         self._unkeyable: set[str] = set()  # req_ids counted as unkeyable, until finished
+        self.refresher = Refresher(client.sibling())  # keeps vLLM's device hits warm
         self._announce(client.socket_path)
 
     def _announce(self, socket_path: str | None) -> None:
@@ -112,6 +114,7 @@ class SchedulerSide:
             if reason is not None:
                 self._skip_unkeyable(request.request_id, reason)
                 return
+            local = self.book.local_blocks(request.request_id)
             load = self.book.on_alloc(
                 request.request_id,
                 compat.request_tokens(request),
@@ -125,6 +128,9 @@ class SchedulerSide:
         self._requests[request.request_id] = request
         if load is not None:
             self.counters.add("offered_tokens", len(load.blocks) * self.book.block_size)
+        # The prefix vLLM serves from its own pool is in use: refresh it in kvkeep's RAM so
+        # it outlives colder blocks there and is the first back after a vLLM restart.
+        self.refresher.submit(self.session, self.book.leading_keys(request.request_id, local))
 
     def plan(self, out: Any) -> StepPlan | None:
         """This step's loads and saves; None (nothing to do) if planning itself failed."""

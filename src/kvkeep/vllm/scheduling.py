@@ -227,6 +227,17 @@ class RequestBook:
     def remember_match(self, req_id: str, match: Match) -> None:
         self._matches[req_id] = match
 
+    def local_blocks(self, req_id: str) -> int:
+        """Blocks of vLLM's own cache hit in the admission ``remember_match`` last saw (0 if
+        none). Call it before ``on_alloc``, which consumes that memory. No side effects."""
+        match = self._matches.get(req_id)
+        return match.num_computed_tokens // self.block_size if match else 0
+
+    def leading_keys(self, req_id: str, count: int) -> list[BlockKey]:
+        """The first ``count`` block keys of a tracked request ([] if untracked). Pure."""
+        tracked = self._tracked.get(req_id)
+        return tracked.keys[:count] if tracked is not None else []
+
     def on_alloc(
         self,
         req_id: str,

@@ -1,0 +1,78 @@
+"""End to end: a prefix vLLM keeps serving from its own pool stays in kvkeep's small RAM
+while other traffic passes through it, and is the first back after a vLLM restart.
+
+One cache server with RAM for a few dozen blocks and no disk (what RAM evicts is gone); one
+hot prompt served again after each of 12 cold ones (about 100 other blocks in all). Two vLLM
+starts (~25 s each on 2 cores).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvkeep.bench.deploy.vllm import LaunchConfig, VLLMServer
+from kvkeep.serve import CacheServerConfig, CacheServerProcess
+from kvkeep.server.client import KVKeepClient
+
+from .engine import complete, worker_namespace
+from .test_connector import BLOCK, _settled_tokens
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def small_cache() -> Iterator[CacheServerProcess]:
+    directory = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvk-{os.getpid()}-{time.time_ns()}"
+    config = CacheServerConfig(directory, ram="8MiB", disk="0", extra_args=("--extent", "1MiB"))
+    proc = CacheServerProcess(config)
+    proc.ensure()
+    assert proc.started
+    yield proc
+    proc.stop()
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def _ram_held(cache: CacheServerProcess, ids: list[int]) -> tuple[int, int]:
+    """(leading blocks of ``ids`` kvkeep's RAM holds, blocks RAM holds in all)."""
+    ns = worker_namespace(cache.cfg.directory)
+    client = KVKeepClient(socket_path=cache.cfg.socket_path, timeout_s=5.0)
+    try:
+        found = client.lookup(ns.session(), ns.keys(ids))
+        assert set(found.tiers) <= {"ram"}
+        return found.num_present, int(client.stats()["tiers"]["ram"]["blocks"])
+    finally:
+        client.close()
+
+
+def test_a_prefix_served_from_vllms_pool_stays_and_comes_back_first(
+    tiny_model: Path, tmp_path: Path, small_cache: CacheServerProcess
+) -> None:
+    rng = random.Random(11)
+    hot = [rng.randrange(100, 1000) for _ in range(6 * BLOCK + 40)]  # 6 full blocks
+    others = [[rng.randrange(100, 1000) for _ in range(8 * BLOCK + 10)] for _ in range(12)]
+    socket_path = small_cache.cfg.socket_path
+    cfg = LaunchConfig(model=tiny_model, mode="kvkeep", max_model_len=8192,
+                       cache_socket=socket_path, log_dir=tmp_path / "logs")  # fmt: skip
+    with VLLMServer(cfg) as server:
+        complete(server.url, hot)
+        for prompt in others:
+            complete(server.url, prompt)
+            served = complete(server.url, hot)  # vLLM's own hit: kvkeep is not asked
+            assert served.cached_tokens == 6 * BLOCK
+        _settled_tokens(server.url, "saved", (6 + 12 * 8) * BLOCK)
+        held, ram_blocks = _ram_held(small_cache, hot)
+    assert ram_blocks < 12 * 8, "the RAM tier was meant to be too small for all traffic"
+    assert held == 6, f"kvkeep's RAM kept {held} of the hot prompt's 6 blocks"
+
+    with VLLMServer(cfg) as server:  # empty device cache: the hot prefix comes from kvkeep
+        served = complete(server.url, hot)
+        counts = _settled_tokens(server.url, "loaded", 6 * BLOCK)
+    assert served.cached_tokens == 6 * BLOCK
+    assert counts["loaded"] == 6 * BLOCK and counts["load_failed"] == 0
