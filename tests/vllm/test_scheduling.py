@@ -69,6 +69,14 @@ def test_config_from_extra_validates() -> None:
     with pytest.raises(ValueError, match="timeout_s"):
         ConnectorConfig.from_extra({"socket": "/s", "timeout_s": 0})
     assert ConnectorConfig.from_extra({"socket": "/s", "staging_mib": 16}).staging_mib == 16
+    extra = {"socket": "/s", "load_async_min_blocks": 4}
+    assert ConnectorConfig.from_extra(extra).load_async_min_blocks == 4
+    extra["load_async_min_blocks"] = None
+    assert ConnectorConfig.from_extra(extra).load_async_min_blocks is None
+    for bad in (0, 2.5, True):
+        extra["load_async_min_blocks"] = bad
+        with pytest.raises(ValueError, match="load_async_min_blocks"):
+            ConnectorConfig.from_extra(extra)
     with pytest.raises(ValueError, match="staging_mib"):
         ConnectorConfig.from_extra({"socket": "/s", "staging_mib": 0})
 

@@ -41,6 +41,11 @@ from kvkeep.keys import BlockKey, Namespace, chain_keys
 
 # --- configuration ------------------------------------------------------------------------
 
+DEFAULT_LOAD_ASYNC_MIN_BLOCKS = 16
+"""Measured on the tiny model, 2 cores (see the issue-13 note, "async loads"): a synchronous
+load of this many 128-token blocks costs about one engine step of a small batch, which is what
+an asynchronous load costs the request that waits for it."""
+
 
 @dataclass(frozen=True)
 class ConnectorConfig:
@@ -56,6 +61,10 @@ class ConnectorConfig:
     audit: bool = False  # debug: compare blocks vLLM computes again with their stored copy
     # host memory per worker for saves on their way to the server; None: two full steps
     staging_mib: float | None = None
+    # a hit of at least this many blocks loads in the background (vLLM's async load): the
+    # request waits a step or more, other requests' steps do not wait for its copies.
+    # None: every load is synchronous.
+    load_async_min_blocks: int | None = DEFAULT_LOAD_ASYNC_MIN_BLOCKS
 
     def __post_init__(self) -> None:
         if not self.socket:
@@ -66,6 +75,12 @@ class ConnectorConfig:
             raise ValueError(f"max_backoff_s must lie in (0, 600], got {self.max_backoff_s}")
         if self.staging_mib is not None and not 1 <= self.staging_mib <= 65536:
             raise ValueError(f"staging_mib must lie in [1, 65536] MiB, got {self.staging_mib}")
+        blocks = self.load_async_min_blocks
+        if blocks is not None and (not isinstance(blocks, int) or blocks < 1):
+            raise ValueError(
+                f"load_async_min_blocks must be a whole number >= 1 (or null: never load in "
+                f"the background), got {blocks!r}"
+            )
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> ConnectorConfig:
@@ -81,8 +96,23 @@ class ConnectorConfig:
         audit = extra.get("audit", False)
         if not isinstance(audit, bool):
             raise ValueError(f"kv_connector_extra_config.audit must be true or false: {audit!r}")
-        numbers = {k: float(v) for k, v in extra.items() if k not in ("socket", "audit")}
+        whole = ("load_async_min_blocks",)
+        numbers: dict[str, Any] = {
+            k: float(v) for k, v in extra.items() if k not in ("socket", "audit", *whole)
+        }
+        for key in whole:
+            if key in extra:
+                numbers[key] = _whole_or_none(key, extra[key])
         return cls(socket=str(extra["socket"]), audit=audit, **numbers)
+
+
+def _whole_or_none(key: str, value: Any) -> int | None:
+    """``value`` as an int (None stays None); raises ValueError naming ``key`` otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or float(value) != int(float(value)):
+        raise ValueError(f"kv_connector_extra_config.{key} must be a whole number: {value!r}")
+    return int(float(value))
 
 
 # --- what travels to the workers ------------------------------------------------------------
@@ -96,10 +126,13 @@ class BlockTransfer(NamedTuple):
 
 
 class RequestLoad(NamedTuple):
-    """The blocks one request loads, in chain order (a miss ends the usable prefix)."""
+    """The blocks one request loads, in chain order (a miss ends the usable prefix).
+    ``background``: vLLM's asynchronous load; the worker copies off the step and reports the
+    request in ``get_finished`` (vLLM does not schedule it before)."""
 
     req_id: str
     blocks: tuple[BlockTransfer, ...]
+    background: bool = False
 
 
 @dataclass(frozen=True)
@@ -176,9 +209,10 @@ class RequestBook:
     """The scheduler side's memory of requests, between vLLM's callbacks. Not thread-safe
     (vLLM's scheduler is single-threaded)."""
 
-    def __init__(self, namespace: Namespace) -> None:
+    def __init__(self, namespace: Namespace, load_async_min_blocks: int | None = None) -> None:
         self.namespace = namespace
         self.block_size = namespace.block_size
+        self.load_async_min_blocks = load_async_min_blocks
         self._roots: dict[str | None, BlockKey] = {}
         self._keys: dict[str, tuple[BlockKey, list[BlockKey]]] = {}
         self._matches: dict[str, Match] = {}
@@ -227,6 +261,12 @@ class RequestBook:
     def remember_match(self, req_id: str, match: Match) -> None:
         self._matches[req_id] = match
 
+    def in_background(self, num_blocks: int) -> bool:
+        """Whether a load of ``num_blocks`` blocks is asynchronous. Pure. Small hits stay
+        synchronous: an asynchronous load costs its request at least one extra step."""
+        threshold = self.load_async_min_blocks
+        return num_blocks > 0 and threshold is not None and num_blocks >= threshold
+
     def on_alloc(
         self,
         req_id: str,
@@ -234,24 +274,28 @@ class RequestBook:
         salt: str | None,
         block_ids: Sequence[int],
         num_external_tokens: int,
+        num_computed_tokens: int = 0,
     ) -> RequestLoad | None:
         """Start (or restart, after preemption) tracking a request whose slots vLLM just
         allocated; queue its load for the next plan. Returns the load, if any.
 
         ``block_ids`` is the request's whole block table. The external blocks sit right after
         the local hit remembered by the last ``remember_match`` (0 if none).
+        ``num_computed_tokens`` is what vLLM counts as computed already: non-zero when a
+        request comes back after its asynchronous load (vLLM then passes no external tokens,
+        and the loaded blocks, truncated at the first failed one, need no save).
         """
         match = self._matches.pop(req_id, None)
         local = match.num_computed_tokens // self.block_size if match else 0
         external = num_external_tokens // self.block_size
         keys = self.keys_for(req_id, tokens, salt)
-        self._tracked[req_id] = _Tracked(
-            self.root_for(salt), keys, list(block_ids), saved=local + external
-        )
+        saved = max(local + external, num_computed_tokens // self.block_size)
+        self._tracked[req_id] = _Tracked(self.root_for(salt), keys, list(block_ids), saved)
         if external == 0:
             return None
         span = range(local, local + external)
-        load = RequestLoad(req_id, tuple(BlockTransfer(block_ids[i], keys[i]) for i in span))
+        blocks = tuple(BlockTransfer(block_ids[i], keys[i]) for i in span)
+        load = RequestLoad(req_id, blocks, self.in_background(external))
         self._loads.append(load)
         return load
 
@@ -363,6 +407,8 @@ COUNTER_NAMES = (
     "save_failures",
     "saves_dropped",
     "saves_skipped_busy",
+    "async_loads",
+    "async_loads_failed",
     "audit_blocks",
     "audit_mismatches",
     "unkeyable_lora",
