@@ -141,8 +141,13 @@ class KVKeepConnector(KVConnectorBase_V1):
         return KVKeepMetadata(self._scheduler.plan(scheduler_output))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        if self._scheduler is not None and connector_output.invalid_block_ids:
-            self._scheduler.load_errors(connector_output.invalid_block_ids)
+        if self._scheduler is None:
+            return
+        invalid = connector_output.invalid_block_ids or set()
+        if connector_output.finished_recving:
+            self._scheduler.loads_finished(set(connector_output.finished_recving), invalid)
+        if invalid:
+            self._scheduler.load_errors(invalid)
 
     def request_finished(
         self, request: Request, block_ids: list[int]

@@ -94,6 +94,8 @@ class SchedulerSide:
         cached = self.book.cached_match(req_id, num_computed, num_tokens)
         if cached is not None:
             return cached.num_blocks * self.book.block_size
+        if not self.book.claims_for(req_id):
+            return 0
         claim = claim_range(num_tokens, num_computed, self.book.block_size)
         found = self._lookup(request, claim)
         self.book.remember_match(req_id, Match(num_computed, num_tokens, found))
@@ -180,6 +182,17 @@ class SchedulerSide:
         if req_id not in self._unkeyable:
             self._unkeyable.add(req_id)
             self.counters.add(f"unkeyable_{reason}", 1)
+
+    def loads_finished(self, req_ids: set[str], invalid_block_ids: set[int]) -> None:
+        """vLLM reports asynchronous loads ended; those with a failed block claim no more."""
+        try:
+            failed = self.book.on_loads_finished(req_ids, invalid_block_ids)
+        except Exception:
+            log.exception("kvkeep: could not record finished loads")
+            return
+        if failed:
+            log.info("kvkeep: asynchronous loads of %d requests failed; vLLM recomputes them",
+                     len(failed))  # fmt: skip
 
     def load_errors(self, block_ids: set[int]) -> None:
         """A step reported failed loads: its saves were dropped; plan them again."""

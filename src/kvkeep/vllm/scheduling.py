@@ -224,6 +224,8 @@ class RequestBook:
         # with outcomes; rewinding one plan too many only re-plans blocks the server skips.
         self._recent: deque[dict[str, int]] = deque(maxlen=2)
         self._planning: dict[str, int] = {}  # the same, for the plan being built
+        self._in_flight: dict[str, frozenset[int]] = {}  # asynchronous loads: their blocks
+        self._no_claims: set[str] = set()  # requests whose asynchronous load failed
 
     # keys ---------------------------------------------------------------------------------
 
@@ -261,6 +263,24 @@ class RequestBook:
     def remember_match(self, req_id: str, match: Match) -> None:
         self._matches[req_id] = match
 
+    def claims_for(self, req_id: str) -> bool:
+        """Whether kvkeep may claim blocks for this request. Not after its asynchronous load
+        failed: vLLM then admits it again from its valid prefix (from scratch when that is
+        empty, asking for a claim again), and a fault that fails every load at once (a cache
+        server that is down for the workers only) would cycle it through loads for nothing."""
+        return req_id not in self._no_claims
+
+    def on_loads_finished(self, finished: set[str], invalid_block_ids: set[int]) -> set[str]:
+        """Asynchronous loads vLLM reports ended (``finished_recving``), with the step's failed
+        blocks; the requests among them with a failed block, which get no further claims."""
+        failed = set()
+        for req_id in finished:
+            blocks = self._in_flight.pop(req_id, frozenset())
+            if blocks & invalid_block_ids:
+                failed.add(req_id)
+        self._no_claims |= failed & set(self._tracked)
+        return failed
+
     def in_background(self, num_blocks: int) -> bool:
         """Whether a load of ``num_blocks`` blocks is asynchronous. Pure. Small hits stay
         synchronous: an asynchronous load costs its request at least one extra step."""
@@ -296,6 +316,8 @@ class RequestBook:
         span = range(local, local + external)
         blocks = tuple(BlockTransfer(block_ids[i], keys[i]) for i in span)
         load = RequestLoad(req_id, blocks, self.in_background(external))
+        if load.background:
+            self._in_flight[req_id] = frozenset(b.block_id for b in blocks)
         self._loads.append(load)
         return load
 
@@ -367,6 +389,8 @@ class RequestBook:
         self._tracked.pop(req_id, None)
         self._keys.pop(req_id, None)
         self._matches.pop(req_id, None)
+        self._in_flight.pop(req_id, None)
+        self._no_claims.discard(req_id)
 
     def tracking(self, req_id: str) -> bool:
         return req_id in self._tracked
