@@ -158,8 +158,13 @@ class WorkerSide:
         if self.background is None or self.layout is None:
             self._unstarted += [result_of(r, 0) for r in requests]
             return
-        after = self.mover.fence()
-        session = self._session(plan)
+        try:
+            after = self.mover.fence()
+            session = self._session(plan)
+        except Exception:
+            log.exception("kvkeep: could not start asynchronous loads; vLLM recomputes them")
+            self._unstarted += [result_of(r, 0) for r in requests]
+            return
         for request in requests:
             self.background.submit(session, request, after)
 
