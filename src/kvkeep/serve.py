@@ -21,7 +21,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,11 +41,15 @@ DEFAULT_DIR = Path.home() / ".cache" / "kvkeep"
 
 
 def kv_transfer_config(
-    socket_path: str, timeout_s: float = 1.0, audit: bool = False
+    socket_path: str,
+    timeout_s: float = 1.0,
+    audit: bool = False,
+    more: Mapping[str, object] | None = None,
 ) -> dict[str, object]:
     """vLLM's ``--kv-transfer-config`` for the kvkeep connector. Pure. ``audit`` turns on
-    the connector's debug comparison of recomputed blocks with their stored copies."""
-    extra: dict[str, object] = {"socket": socket_path, "timeout_s": timeout_s}
+    the connector's debug comparison of recomputed blocks with their stored copies; ``more``
+    adds other connector settings (``kvkeep.vllm.scheduling.ConnectorConfig`` checks them)."""
+    extra: dict[str, object] = {"socket": socket_path, "timeout_s": timeout_s, **(more or {})}
     if audit:
         extra["audit"] = True
     return {
@@ -57,9 +61,15 @@ def kv_transfer_config(
     }
 
 
-def kv_transfer_args(socket_path: str, timeout_s: float = 1.0, audit: bool = False) -> list[str]:
+def kv_transfer_args(
+    socket_path: str,
+    timeout_s: float = 1.0,
+    audit: bool = False,
+    more: Mapping[str, object] | None = None,
+) -> list[str]:
     """The vLLM arguments that load the kvkeep connector. Pure."""
-    text = json.dumps(kv_transfer_config(socket_path, timeout_s, audit), separators=(",", ":"))
+    config = kv_transfer_config(socket_path, timeout_s, audit, more)
+    text = json.dumps(config, separators=(",", ":"))
     return ["--kv-transfer-config", text]
 
 

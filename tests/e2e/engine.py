@@ -122,6 +122,18 @@ def corrupt_stored(client: KVKeepClient, ns: StoredNamespace, ids: list[int]) ->
     return len(slots)
 
 
+def corrupt_block(client: KVKeepClient, ns: StoredNamespace, ids: list[int], index: int) -> bool:
+    """Flip a byte of block ``index`` of ``ids`` in the arena (checksum unchanged), as
+    ``corrupt_stored`` does for all of them. Returns whether the block was stored."""
+    slots = client.acquire(ns.session(), ns.keys(ids)[index : index + 1])
+    try:
+        for slot in slots:
+            client.slot_view(slot)[slot.length // 2] ^= 0xFF
+    finally:
+        client.release(slots)
+    return len(slots) == 1
+
+
 def plant_wrong_block(
     client: KVKeepClient, ns: StoredNamespace, ids: list[int], index: int
 ) -> None:

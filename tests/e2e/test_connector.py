@@ -111,9 +111,21 @@ def _model(shape: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactor
     return write_tiny_model(tmp_path_factory.mktemp("gqa8-model"), spec)
 
 
-@pytest.mark.parametrize("shape", ["tiny", "gqa8"])
+def _async_loads(url: str) -> float:
+    """Requests the connector loaded asynchronously (``vllm:kvkeep_events_total``)."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    found = re.findall(
+        r'^vllm:kvkeep_events_total\{[^}]*op="async_load"[^}]*\}\s+(\S+)', text, re.M
+    )
+    return sum(float(v) for v in found)
+
+
+# The restart loads synchronously on one shape and asynchronously (every hit, threshold 1
+# block) on the other: both paths are checked without more vLLM starts.
+@pytest.mark.parametrize(("shape", "load"), [("tiny", "sync"), ("gqa8", "async")])
 def test_restart_serves_the_same_outputs_from_kvkeep(
     shape: str,
+    load: str,
     tiny_model: Path,
     tmp_path_factory: pytest.TempPathFactory,
     tmp_path: Path,
@@ -121,8 +133,10 @@ def test_restart_serves_the_same_outputs_from_kvkeep(
 ) -> None:
     model = _model(shape, tiny_model, tmp_path_factory)
     socket_path = cache.cfg.socket_path
+    threshold = 1 if load == "async" else None
     cfg = LaunchConfig(model=model, mode="kvkeep", max_model_len=8192,
-                       cache_socket=socket_path, log_dir=tmp_path / "logs")  # fmt: skip
+                       cache_socket=socket_path, log_dir=tmp_path / "logs",
+                       connector_settings=(("load_async_min_blocks", threshold),))  # fmt: skip
     prompts = _prompts(seed={"tiny": 1, "gqa8": 2}[shape])
     full_blocks = [((len(p) - 1) // BLOCK) * BLOCK for p in prompts]
 
@@ -136,6 +150,7 @@ def test_restart_serves_the_same_outputs_from_kvkeep(
     with VLLMServer(cfg) as server:  # a new engine: its device prefix cache is empty
         second = _run_all(server.url, prompts)
         counts = _settled_tokens(server.url, "loaded", 1)
+        async_loads = _async_loads(server.url)
 
     drift = max(same_as_cold(b.reply, a.reply).worst for a, b in zip(cold, first, strict=True))
     print(f"vLLM's own prefix cache against cold: logprobs differ by up to {drift:.4f}")
@@ -150,6 +165,10 @@ def test_restart_serves_the_same_outputs_from_kvkeep(
         # (prefixes shared with earlier prompts of this run) or from kvkeep
         assert b.cached_tokens == full_blocks[i], f"prompt {i}: cached {b.cached_tokens}"
     assert counts["loaded"] > 0, "kvkeep supplied 0 tokens"
+    if load == "async":  # every hit but the prefix-sharing ones that vLLM's cache covers
+        assert async_loads >= NUM_PROMPTS - 5, f"only {async_loads} asynchronous loads"
+    else:
+        assert async_loads == 0
     assert counts["load_failed"] == 0
     assert counts["loaded"] == counts["offered"]
     # every cached token came from kvkeep, except the shared 700-token prefix (5 blocks),

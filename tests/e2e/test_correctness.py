@@ -36,9 +36,11 @@ from kvkeep.server.client import KVKeepClient
 
 from .engine import (
     BLOCK,
+    MODEL_NAME,
     StoredNamespace,
     arena_problems,
     complete,
+    corrupt_block,
     corrupt_stored,
     plant_wrong_block,
     reference,
@@ -58,6 +60,7 @@ class Rig:
     proxy: RpcProxy
     vllm: VLLMServer
     rng: random.Random
+    asynchronous: bool = False  # every load is asynchronous (load_async_min_blocks 1)
     _namespace: StoredNamespace | None = None
 
     @property
@@ -93,7 +96,8 @@ class Rig:
         counts = kvkeep_tokens(self.url)
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
         pattern = r'^vllm:kvkeep_events_total\{[^}]*op="(\w+)"[^}]*\} (\S+)'
-        for op in ("save_dropped_after_failed_load", "audit_block", "audit_mismatch"):
+        ops = ("save_dropped_after_failed_load", "audit_block", "audit_mismatch", "async_load")
+        for op in ops:
             counts[op] = 0.0
         for op, value in re.findall(pattern, text, re.M):
             counts[op] = counts.get(op, 0.0) + float(value)
@@ -123,8 +127,12 @@ class Rig:
         assert self.stored(ids) >= blocks, f"only {self.stored(ids)} of {blocks} blocks stored"
 
 
-@pytest.fixture(scope="module")
-def rig(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+@pytest.fixture(scope="module", params=["sync", "async"])
+def rig(
+    request: pytest.FixtureRequest, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Rig]:
+    """The rig with every load synchronous, then (a second vLLM) every load asynchronous."""
+    asynchronous = request.param == "async"
     base = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvkc-{os.getpid()}-{time.time_ns()}"
     cache = CacheServerProcess(CacheServerConfig(base / "cache", ram="8MiB", disk="0"))
     cache.ensure()
@@ -137,8 +145,9 @@ def rig(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         cache_audit=True,
         log_dir=tmp_path_factory.mktemp("correctness-logs"),
         extra_env=(("VLLM_SERVER_DEV_MODE", "1"),),
+        connector_settings=(("load_async_min_blocks", 1 if asynchronous else None),),
     )
-    rig = Rig(cache, proxy, VLLMServer(cfg), random.Random(2026))
+    rig = Rig(cache, proxy, VLLMServer(cfg), random.Random(2026), asynchronous)
     try:
         rig.vllm.start()
         yield rig
@@ -155,12 +164,24 @@ def full_blocks(ids: list[int]) -> int:
     return (len(ids) - 1) // BLOCK
 
 
+def sync_only(rig: Rig) -> None:
+    """Tests that load nothing, or only the synchronous path, run on the sync rig."""
+    if rig.asynchronous:
+        pytest.skip("no asynchronous load in this test")
+
+
+def async_only(rig: Rig) -> None:
+    if not rig.asynchronous:
+        pytest.skip("asynchronous loads only")
+
+
 # --- the guard ---------------------------------------------------------------------------------
 
 
 def test_the_model_reads_its_context(rig: Rig) -> None:
     """Three prefixes before the same suffix give three different greedy replies, and the
     output distribution is far from uniform (dummy weights give ln(1/vocab) everywhere)."""
+    sync_only(rig)
     suffix = rig.prompt(64)
     replies = [complete(rig.url, rig.prompt(1500) + suffix, max_tokens=8).reply for _ in range(3)]
     tokens = [tuple(r.token_ids) for r in replies]
@@ -174,8 +195,10 @@ def test_the_model_reads_its_context(rig: Rig) -> None:
 
 def test_a_wrong_block_changes_the_reply(rig: Rig) -> None:
     """A block with another block's bytes and a valid checksum, served from kvkeep, gives a
-    reply that both rules reject; the untouched prompt beside it passes the strict rule."""
+    reply that both rules reject; the untouched prompt beside it passes the strict rule.
+    On the async rig this is also the proof that asynchronously loaded blocks are read."""
     planted, control = rig.prompt(1300), rig.prompt(1300)
+    before = rig.counters()
     refs = [reference(rig.url, ids) for ids in (planted, control)]
     for ids in (planted, control):
         complete(rig.url, ids)
@@ -187,6 +210,8 @@ def test_a_wrong_block_changes_the_reply(rig: Rig) -> None:
     assert same_as_hit(right.reply, refs[1].hit), "a correct block failed the strict rule"
     assert not same_as_hit(wrong.reply, refs[0].hit), "a wrong block went unnoticed"
     assert not same_as_cold(wrong.reply, refs[0].cold), "a wrong block passed as drift"
+    async_loads = rig.counters()["async_load"] - before["async_load"]
+    assert async_loads == (2 if rig.asynchronous else 0)
 
 
 # --- a failed load stores no wrong KV ---------------------------------------------------------
@@ -223,7 +248,10 @@ def test_a_failed_load_stores_no_wrong_kv(rig: Rig) -> None:
     assert verdict, f"P+Q served from kvkeep: {verdict.why}"
     assert after["loaded"] - mid["loaded"] == full_blocks(p + q) * BLOCK
     assert mid["load_failed"] > before["load_failed"], "the corrupt blocks were not refused"
-    assert mid["dropped"] > before["dropped"], "the failed step's saves were not dropped"
+    if rig.asynchronous:  # the failed load fed no forward: nothing to drop
+        assert mid["dropped"] == before["dropped"]
+    else:
+        assert mid["dropped"] > before["dropped"], "the failed step's saves were not dropped"
     assert rig.stored(p) == full_blocks(p), "P's blocks were not saved by the recompute"
 
 
@@ -313,6 +341,7 @@ def test_audit_tells_drift_from_a_wrong_block(rig: Rig) -> None:
     two: equal or drift, logged at INFO. Once a wrong block is planted there, the same
     comparison counts a mismatch and logs a warning; the block is never loaded (no claim
     covers a prompt's last token), so the reply stays right."""
+    sync_only(rig)
     aligned = rig.prompt(10 * BLOCK)
     ref = reference(rig.url, aligned)
     complete(rig.url, aligned)
@@ -332,3 +361,83 @@ def test_audit_tells_drift_from_a_wrong_block(rig: Rig) -> None:
                 if "kvkeep audit" in line and "WARNING" in line]  # fmt: skip
     assert len(warnings) == 1, warnings
     assert same_as_hit(served.reply, ref.hit)
+
+
+# --- asynchronous loads ------------------------------------------------------------------------
+
+
+def test_an_async_load_that_fails_mid_way_keeps_its_good_prefix(rig: Rig) -> None:
+    """Block 4 of 11 is corrupt in the arena: the asynchronous load fills blocks 0-3, reports
+    4-10 failed in the step that reports the request finished, and vLLM computes from block 4.
+    The reply is right; the recompute saves blocks 4-10 (the save frontier starts at the
+    failed block), and served from kvkeep afterwards the prompt equals vLLM's own hit."""
+    async_only(rig)
+    ids = rig.prompt(1450)
+    ref = reference(rig.url, ids)
+    complete(rig.url, ids)
+    rig.wait_stored(ids, full_blocks(ids))
+    client = rig.client()
+    try:
+        assert corrupt_block(client, rig.namespace(), ids, 4)
+    finally:
+        client.close()
+    before = rig.counters()
+    reset_device_cache(rig.url)
+    first = complete(rig.url, ids)
+    mid = rig.counters()
+    assert mid["loaded"] - before["loaded"] == 4 * BLOCK
+    assert mid["load_failed"] - before["load_failed"] == (full_blocks(ids) - 4) * BLOCK
+    assert first.cached_tokens == full_blocks(ids) * BLOCK  # vLLM counts the claim (notes)
+    assert same_as_cold(first.reply, ref.cold), "the reply of the failed load is wrong"
+    rig.wait_stored(ids, full_blocks(ids))  # blocks 4.. saved again by the recompute
+    reset_device_cache(rig.url)
+    served = complete(rig.url, ids)
+    verdict = same_as_hit(served.reply, ref.hit)
+    assert verdict, f"served from kvkeep after the recompute: {verdict.why}"
+    assert rig.counters()["load_failed"] == mid["load_failed"]
+
+
+def _finished(rig: Rig) -> float:
+    """Requests vLLM finished, for any reason but an abort (``vllm:request_success_total``
+    does not count those)."""
+    text = httpx.get(f"{rig.url}/metrics", timeout=10).text
+    pattern = r"^vllm:request_success_total\{[^}]*\} (\S+)"
+    return sum(float(v) for v in re.findall(pattern, text, re.M))
+
+
+def test_an_abort_during_an_async_load_leaks_nothing(rig: Rig) -> None:
+    """The proxy holds the load's ACQUIRE while the client gives up on the request (vLLM
+    aborts it in WAITING_FOR_REMOTE_KVS and keeps its blocks). The load then copies into
+    the aborted request's blocks and reports it; vLLM frees them. The engine keeps serving
+    right replies, and no pin is left: flooding the RAM tier evicts every block."""
+    async_only(rig)
+    ids = rig.prompt(1400)
+    ref = reference(rig.url, ids)
+    complete(rig.url, ids)
+    rig.wait_stored(ids, full_blocks(ids))
+    before, finished = rig.counters(), _finished(rig)
+    reset_device_cache(rig.url)
+    # Held for less than the connector's RPC timeout (1 s), so the load then succeeds.
+    rig.proxy.arm("ACQUIRE", lambda: time.sleep(0.8))
+    try:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{rig.url}/v1/completions", timeout=0.3,
+                       json={"model": MODEL_NAME, "prompt": ids, "max_tokens": 8})  # fmt: skip
+        time.sleep(2.0)  # the load finishes after the abort
+    finally:
+        rig.proxy.disarm()
+    assert "ACQUIRE" in rig.proxy.fired
+    mid = rig.counters()
+    assert _finished(rig) == finished, "vLLM finished the request instead of aborting it"
+    assert mid["async_load"] - before["async_load"] == 1
+    assert mid["loaded"] - before["loaded"] == full_blocks(ids) * BLOCK
+    served = complete(rig.url, ids)  # served from kvkeep again: the engine is fine
+    assert served.cached_tokens == full_blocks(ids) * BLOCK
+    assert same_as_hit(served.reply, ref.hit)
+    _flood(rig, 40)
+    ns, client = rig.namespace(), rig.client()
+    try:
+        left = [k for k in ns.keys(ids) if client.lookup(ns.session(), [k]).num_present]
+    finally:
+        client.close()
+    assert left == [], f"{len(left)} blocks survived the flood: a pin was leaked"

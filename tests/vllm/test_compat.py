@@ -149,7 +149,7 @@ def test_a_plain_request_is_looked_up_tracked_and_saved(
 ) -> None:
     scheduler, client = side
     req = request()
-    assert scheduler.match(req, 0) == 3 * BS
+    assert scheduler.match(req, 0) == (3 * BS, False)  # no threshold: synchronous
     assert client.lookups == [3]
     scheduler.after_alloc(req, blocks(4), 0)  # say vLLM did not take the hit
     assert scheduler.book.tracking(req.request_id)
@@ -163,7 +163,7 @@ def test_the_prefix_vllm_serves_itself_is_touched_once_off_the_thread(
 ) -> None:
     scheduler, client = side
     req = request()
-    assert scheduler.match(req, 2 * BS) == BS  # vLLM holds 2 blocks; kvkeep has the 3rd
+    assert scheduler.match(req, 2 * BS) == (BS, False)  # vLLM holds 2 blocks; kvkeep has the 3rd
     assert client.lookups == [1], "the LOOKUP still asks only beyond vLLM's hit"
     scheduler.after_alloc(req, blocks(4), BS)
     scheduler.refresher.flush()
@@ -176,13 +176,43 @@ def test_the_prefix_vllm_serves_itself_is_touched_once_off_the_thread(
     assert len(client.touches) == 1, "no device hit, nothing to refresh"
 
 
+def test_a_big_hit_loads_asynchronously_and_saves_after_it_when_vllm_resumes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At the threshold the hit is asynchronous and its load says so; when vLLM admits the
+    request again (external 0, ``num_computed_tokens`` set to what loaded, here truncated at
+    a failed block 2), the plan saves from the failed block on, not the loaded ones."""
+    monkeypatch.setattr(compat, "namespace", lambda vllm_config, kv_cache_config: NS)
+    monkeypatch.setattr(compat, "expected_block_bytes", lambda kv_cache_config: 1024)
+    scheduler = SchedulerSide(None, None, FakeClient(), load_async_min_blocks=3)  # type: ignore[arg-type]
+    small = SchedulerSide(None, None, FakeClient(), load_async_min_blocks=4)  # type: ignore[arg-type]
+    req = request()
+    assert small.match(req, 0) == (3 * BS, False)
+    assert scheduler.match(req, 0) == (3 * BS, True)
+    scheduler.after_alloc(req, blocks(3), 3 * BS)
+    plan = scheduler.plan(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={},
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[],
+                                              resumed_req_ids=set())))  # fmt: skip
+    assert plan is not None and [r.background for r in plan.loads] == [True]
+    req.num_computed_tokens = 2 * BS  # vLLM truncated the request at the failed block
+    scheduler.after_alloc(req, blocks(4), 0)
+    new = SimpleNamespace(req_id=req.request_id, block_ids=([0, 1, 2, 3],),
+                          num_computed_tokens=2 * BS)  # fmt: skip
+    step = first_step(req)
+    step.scheduled_new_reqs = [new]
+    step.num_scheduled_tokens = {req.request_id: BS + 1}
+    plan = scheduler.plan(step)
+    assert plan is not None and plan.loads == ()
+    assert [s.block_id for s in plan.saves] == [2]
+
+
 def test_a_lora_request_is_not_looked_up_nor_saved(
     side: tuple[SchedulerSide, FakeClient],
 ) -> None:
     scheduler, client = side
     req = request(lora_request=lora())
     for _ in range(2):  # vLLM asks again on each admission attempt, and after a preemption
-        assert scheduler.match(req, 0) == 0
+        assert scheduler.match(req, 0) == (0, False)
         scheduler.after_alloc(req, blocks(4), 0)
     assert client.lookups == []
     assert not scheduler.book.tracking(req.request_id)

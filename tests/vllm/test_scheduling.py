@@ -69,6 +69,14 @@ def test_config_from_extra_validates() -> None:
     with pytest.raises(ValueError, match="timeout_s"):
         ConnectorConfig.from_extra({"socket": "/s", "timeout_s": 0})
     assert ConnectorConfig.from_extra({"socket": "/s", "staging_mib": 16}).staging_mib == 16
+    extra = {"socket": "/s", "load_async_min_blocks": 4}
+    assert ConnectorConfig.from_extra(extra).load_async_min_blocks == 4
+    extra["load_async_min_blocks"] = None
+    assert ConnectorConfig.from_extra(extra).load_async_min_blocks is None
+    for bad in (0, 2.5, True):
+        extra["load_async_min_blocks"] = bad
+        with pytest.raises(ValueError, match="load_async_min_blocks"):
+            ConnectorConfig.from_extra(extra)
     with pytest.raises(ValueError, match="staging_mib"):
         ConnectorConfig.from_extra({"socket": "/s", "staging_mib": 0})
 
@@ -254,3 +262,21 @@ def test_counters_take_resets() -> None:
     c.merge({"loaded_tokens": 128, "load_s": 0.5})
     assert c.take() == {"loaded_tokens": 256, "load_s": 0.5}
     assert c.take() is None
+
+
+def test_async_loads_start_at_the_threshold_and_a_failed_one_claims_no_more() -> None:
+    book = RequestBook(NS, load_async_min_blocks=3)
+    assert [book.in_background(n) for n in (0, 2, 3, 9)] == [False, False, True, True]
+    assert not RequestBook(NS).in_background(100)  # no threshold: always synchronous
+    prompt = tokens(4 * BS + 1)
+    book.remember_match("small", Match(0, len(prompt), 2))
+    book.remember_match("big", Match(0, len(prompt), 4))
+    small = book.on_alloc("small", prompt, None, [1, 2], 2 * BS)
+    big = book.on_alloc("big", prompt, None, [5, 6, 7, 8], 4 * BS)
+    assert small is not None and not small.background
+    assert big is not None and big.background
+    # vLLM reports the load finished with block 7 failed: no claims for "big" from now on
+    assert book.on_loads_finished({"big"}, {7, 1}) == {"big"}
+    assert not book.claims_for("big") and book.claims_for("small")
+    book.finish("big")
+    assert book.claims_for("big")  # a new request under the same id starts clean

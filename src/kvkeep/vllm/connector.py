@@ -12,18 +12,27 @@ blocks beyond vLLM's own hit and claims the leading present ones (always leaving
 compute); it tracks every running request's block table and emits, each step, the blocks to
 load and the blocks that become full (to save) in a ``StepPlan``.
 
-Worker side: loads are synchronous, before the forward: ACQUIRE (pins) → verify the checksum
-→ copy each block (all layers) into the allocated blocks → RELEASE. A block that is missing,
-corrupt or fails to copy is reported through ``get_block_ids_with_load_errors`` and vLLM
-recomputes it (policy "recompute"). Saves run in ``wait_for_save``, after the forward: one
-batched copy of the step's new blocks into staging memory is all the step waits for; a
-background thread on its own connection RESERVEs (the server skips blocks it already has),
-copies the rows into slots, checksums and COMMITs (:mod:`kvkeep.vllm.saver`).
+Worker side: a load is ACQUIRE (pins) → verify the checksum → copy each block (all layers)
+into the allocated blocks → RELEASE. Small hits load synchronously, before the forward. A
+hit of ``load_async_min_blocks`` blocks or more loads asynchronously (``load_async``): vLLM
+parks the request, the worker copies on a background thread while other requests' steps run,
+and ``get_finished`` reports the request when its blocks are in (:mod:`kvkeep.vllm.loader`).
+A block that is missing, corrupt or fails to copy is reported through
+``get_block_ids_with_load_errors`` (for an asynchronous load, in the step that reports it
+finished) and vLLM recomputes it (policy "recompute").
 
-A step with a failed load saves nothing. vLLM runs that step's forward anyway, on top of the
-blocks that did not load, so its new KV is wrong under correct keys; vLLM then recomputes.
-The scheduler side learns of the failure from the step's connector output and moves the save
-frontiers back (``RequestBook.on_load_errors`` and ``rewind``), so the recompute is saved.
+Saves run in ``wait_for_save``, after the forward: one batched copy of the step's new blocks
+into staging memory is all the step waits for; a background thread on its own connection
+RESERVEs (the server skips blocks it already has), copies the rows into slots, checksums and
+COMMITs (:mod:`kvkeep.vllm.saver`).
+
+A step with a failed synchronous load saves nothing. vLLM runs that step's forward anyway, on
+top of the blocks that did not load, so its new KV is wrong under correct keys; vLLM then
+recomputes. The scheduler side learns of the failure from the step's connector output and
+moves the save frontiers back (``RequestBook.on_load_errors`` and ``rewind``), so the
+recompute is saved. An asynchronous load feeds no forward until it is reported, so its
+failure drops no saves: vLLM truncates the request at the first failed block, and when the
+request comes back its save frontier starts there (``RequestBook.on_alloc``).
 
 When vLLM computes a block it already holds again (the last block of a block-aligned prompt,
 or a partial block that decode completes), kvkeep keeps the first copy it was given: RESERVE
@@ -102,7 +111,9 @@ class KVKeepConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(vllm_config, kv_cache_config, client)
+            self._scheduler = SchedulerSide(
+                vllm_config, kv_cache_config, client, config.load_async_min_blocks
+            )
         else:
             staging = None if config.staging_mib is None else int(config.staging_mib * (1 << 20))
             self._worker = WorkerSide(vllm_config, kv_cache_config, client, config.audit, staging)
@@ -117,7 +128,7 @@ class KVKeepConnector(KVConnectorBase_V1):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         assert self._scheduler is not None
-        return self._scheduler.match(request, num_computed_tokens), False
+        return self._scheduler.match(request, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -130,15 +141,25 @@ class KVKeepConnector(KVConnectorBase_V1):
         return KVKeepMetadata(self._scheduler.plan(scheduler_output))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        if self._scheduler is not None and connector_output.invalid_block_ids:
-            self._scheduler.load_errors(connector_output.invalid_block_ids)
+        if self._scheduler is None:
+            return
+        invalid = connector_output.invalid_block_ids or set()
+        if connector_output.finished_recving:
+            self._scheduler.loads_finished(set(connector_output.finished_recving), invalid)
+        if invalid:
+            self._scheduler.load_errors(invalid)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """Never delays the free. Saves were copied out on their step. A request aborted
+        while its asynchronous load writes its blocks is in ``WAITING_FOR_REMOTE_KVS``, and
+        for those vLLM itself keeps the blocks until ``get_finished`` reports the load
+        (``Scheduler.finish_requests``); a True here would make it wait for a
+        ``finished_sending`` that never comes."""
         if self._scheduler is not None:
             self._scheduler.finished(request.request_id)
-        return False, None  # saves were copied synchronously: the blocks may be freed now
+        return False, None
 
     # worker side ----------------------------------------------------------------------------
 
@@ -152,7 +173,7 @@ class KVKeepConnector(KVConnectorBase_V1):
             self._worker.load(plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads finish inside start_load_kv, before the forward
+        return  # synchronous loads finish in start_load_kv; asynchronous ones feed no forward
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -163,6 +184,13 @@ class KVKeepConnector(KVConnectorBase_V1):
         plan = self._plan()
         if self._worker is not None:
             self._worker.end_step(plan)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(nothing sent: saves never hold vLLM's blocks, requests whose asynchronous load
+        ended). An aborted request is reported too: vLLM keeps its blocks until then."""
+        if self._worker is None:
+            return None, None
+        return None, self._worker.finished_loads()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
@@ -175,6 +203,8 @@ class KVKeepConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:  # its TOUCH thread, after what is queued
+            self._scheduler.refresher.close()
 
     def _plan(self) -> StepPlan | None:
         if not self.has_connector_metadata():

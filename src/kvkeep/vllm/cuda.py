@@ -11,6 +11,11 @@
 - A load copies each verified slot to device staging (one DMA per block, from pinned memory),
   waits for those copies (the slots are unpinned right after), then scatters with one
   ``index_copy_`` that the engine's stream waits for.
+- An asynchronous load (vLLM's ``load_async``) does the same on a second side stream, from
+  the loader's thread: it waits for a fence event recorded on the engine's stream when the
+  load was started (blocks just allocated may still be read by earlier kernels), and the
+  thread waits for the scatter before it reports the request finished. The engine's stream
+  waits for nothing: vLLM schedules the request only after that report.
 
 Importing this module needs no GPU; ``mover_for`` picks the host ``Mover`` for a CPU cache.
 """
@@ -24,7 +29,7 @@ import numpy as np
 import torch
 
 from kvkeep.vllm.layout import KVLayout
-from kvkeep.vllm.transfer import ArenaRegion, Mover, Wait
+from kvkeep.vllm.transfer import ArenaRegion, Fence, Mover, Wait
 
 log = logging.getLogger("vllm.kvkeep")
 
@@ -42,6 +47,7 @@ class CudaMover(Mover):
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device)
+        self.load_stream = torch.cuda.Stream(device)  # asynchronous loads, off the step
         self._pinned: ArenaRegion | None = None
 
     def host_buffer(self, rows: int, row_bytes: int) -> torch.Tensor:
@@ -82,6 +88,33 @@ class CudaMover(Mover):
             layout.scatter_blocks(ids, staged)
         copied.synchronize()  # the slots are unpinned as soon as this returns
         engine.wait_stream(self.stream)  # the forward reads the blocks after the scatter
+
+    def fence(self) -> Fence:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def scatter_background(
+        self, layout: KVLayout, block_ids: Sequence[int], slots: Sequence[np.ndarray], after: Fence
+    ) -> None:
+        if not slots:
+            return
+        stream = self.load_stream
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            if isinstance(after, torch.cuda.Event):
+                stream.wait_event(after)
+            staged = torch.empty(
+                len(slots), layout.block_bytes, dtype=torch.uint8, device=self.device
+            )
+            for j, slot in enumerate(slots):
+                staged[j].copy_(torch.from_numpy(slot), non_blocking=True)
+            ids = torch.tensor(list(block_ids), dtype=torch.int64).to(
+                self.device, non_blocking=True
+            )
+            layout.scatter_blocks(ids, staged)
+            done = torch.cuda.Event()
+            done.record(stream)
+        done.synchronize()  # the slots are unpinned, and the request reported, after this
 
     def pin_arena(self, region: ArenaRegion | None) -> None:
         """Register ``region`` as pinned host memory, once per cache-server instance; the

@@ -34,10 +34,16 @@ class SchedulerSide:
     """Claims, per-request tracking and the step plan. Every vLLM callback here is wrapped so
     that a kvkeep failure means "no hit" and never an exception in the scheduler."""
 
-    def __init__(self, vllm_config: Any, kv_cache_config: Any, client: KVKeepClient) -> None:
+    def __init__(
+        self,
+        vllm_config: Any,
+        kv_cache_config: Any,
+        client: KVKeepClient,
+        load_async_min_blocks: int | None = None,
+    ) -> None:
         self.vllm_config = vllm_config
         self.namespace = compat.namespace(vllm_config, kv_cache_config)
-        self.book = RequestBook(self.namespace)
+        self.book = RequestBook(self.namespace, load_async_min_blocks)
         self.client = client
         self.session = client.session(
             self.namespace, compat.expected_block_bytes(kv_cache_config), label="scheduler"
@@ -70,24 +76,28 @@ class SchedulerSide:
         ns = self.namespace
         return f"{ns.digest().hex()[:12]} ({ns.backend}, {ns.layout}, block {ns.block_size})"
 
-    def match(self, request: Any, num_computed_tokens: int) -> int:
-        """Tokens kvkeep can supply beyond ``num_computed_tokens``; 0 on any failure.
-        Idempotent for repeated calls with the same inputs (the answer is memoised)."""
+    def match(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens kvkeep can supply beyond ``num_computed_tokens``, and whether they load in
+        the background (vLLM's ``load_async``); (0, False) on any failure. Idempotent for
+        repeated calls with the same inputs (the answer is memoised)."""
         try:
             if compat.unkeyable_reason(request) is not None:
-                return 0  # no LOOKUP; after_alloc counts the reason once
+                return 0, False  # no LOOKUP; after_alloc counts the reason once
             with self.counters.timed("match_s"):
-                return self._match(request, num_computed_tokens)
+                tokens = self._match(request, num_computed_tokens)
         except Exception:
             log.exception("kvkeep: lookup failed; treating it as a miss")
             self.counters.add("lookup_failures", 1)
-            return 0
+            return 0, False
+        return tokens, self.book.in_background(tokens // self.book.block_size)
 
     def _match(self, request: Any, num_computed: int) -> int:
         req_id, num_tokens = request.request_id, request.num_tokens
         cached = self.book.cached_match(req_id, num_computed, num_tokens)
         if cached is not None:
             return cached.num_blocks * self.book.block_size
+        if not self.book.claims_for(req_id):
+            return 0
         claim = claim_range(num_tokens, num_computed, self.book.block_size)
         found = self._lookup(request, claim)
         self.book.remember_match(req_id, Match(num_computed, num_tokens, found))
@@ -121,6 +131,7 @@ class SchedulerSide:
                 compat.request_salt(request),
                 compat.group0_block_ids(blocks),
                 num_external_tokens,
+                request.num_computed_tokens,
             )
         except Exception:
             log.exception("kvkeep: could not track request %s", request.request_id)
@@ -128,6 +139,8 @@ class SchedulerSide:
         self._requests[request.request_id] = request
         if load is not None:
             self.counters.add("offered_tokens", len(load.blocks) * self.book.block_size)
+            if load.background:
+                self.counters.add("async_loads", 1)
         # The prefix vLLM serves from its own pool is in use: refresh it in kvkeep's RAM so
         # it outlives colder blocks there and is the first back after a vLLM restart.
         self.refresher.submit(self.session, self.book.leading_keys(request.request_id, local))
@@ -175,6 +188,17 @@ class SchedulerSide:
         if req_id not in self._unkeyable:
             self._unkeyable.add(req_id)
             self.counters.add(f"unkeyable_{reason}", 1)
+
+    def loads_finished(self, req_ids: set[str], invalid_block_ids: set[int]) -> None:
+        """vLLM reports asynchronous loads ended; those with a failed block claim no more."""
+        try:
+            failed = self.book.on_loads_finished(req_ids, invalid_block_ids)
+        except Exception:
+            log.exception("kvkeep: could not record finished loads")
+            return
+        if failed:
+            log.info("kvkeep: asynchronous loads of %d requests failed; vLLM recomputes them",
+                     len(failed))  # fmt: skip
 
     def load_errors(self, block_ids: set[int]) -> None:
         """A step reported failed loads: its saves were dropped; plan them again."""

@@ -63,6 +63,8 @@ class KVKeepPromMetrics(KVConnectorPromMetrics):
         "save_failures": "save_failed",
         "saves_dropped": "save_dropped_after_failed_load",  # blocks
         "saves_skipped_busy": "save_skipped_staging_full",  # blocks
+        "async_loads": "async_load",  # requests
+        "async_loads_failed": "async_load_failed",  # requests with a failed block
         "audit_blocks": "audit_block",
         "audit_mismatches": "audit_mismatch",
         "unkeyable_lora": "unkeyable_lora",

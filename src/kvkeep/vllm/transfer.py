@@ -20,6 +20,9 @@ import torch
 from kvkeep.vllm.layout import KVLayout
 
 Wait = Callable[[], None]
+Fence = object | None
+"""The engine's work issued so far, marked on the step's thread (a CUDA event; None on the
+host, where every engine op has finished when the step's Python code runs)."""
 
 
 class ArenaRegion(NamedTuple):
@@ -65,3 +68,15 @@ class Mover:
         the blocks hold the bytes."""
         for block_id, slot in zip(block_ids, slots, strict=True):
             layout.scatter(block_id, slot)
+
+    def fence(self) -> Fence:
+        """Mark the engine's work issued so far (call on the step's thread)."""
+        return None
+
+    def scatter_background(
+        self, layout: KVLayout, block_ids: Sequence[int], slots: Sequence[np.ndarray], after: Fence
+    ) -> None:
+        """``scatter`` for a thread off the step: ordered after ``after``, returns once the
+        blocks hold the bytes, and orders nothing on the engine's stream (vLLM reads the
+        blocks only after the load is reported finished)."""
+        self.scatter(layout, block_ids, slots)

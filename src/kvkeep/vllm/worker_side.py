@@ -1,8 +1,10 @@
 """The connector's worker side: copies between the engine's KV blocks and arena slots.
 
-Loads run before the forward (ACQUIRE, verify, copy in, RELEASE); saves copy out after it
-into staging memory and are stored by a background thread (:mod:`kvkeep.vllm.saver`); a step
-with a failed load saves nothing. See :mod:`kvkeep.vllm.connector` for the whole flow.
+Synchronous loads run before the forward (ACQUIRE, verify, copy in, RELEASE); asynchronous
+ones on a background thread, reported through ``finished_loads`` (:mod:`kvkeep.vllm.loader`).
+Saves copy out after the forward into staging memory and are stored by a background thread
+(:mod:`kvkeep.vllm.saver`); a step with a failed synchronous load saves nothing. See
+:mod:`kvkeep.vllm.connector` for the whole flow.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from kvkeep.keys import BlockKey
 from kvkeep.server.client import CacheUnavailable, KVKeepClient, Session, SlotRef
 from kvkeep.vllm import compat, cuda
 from kvkeep.vllm.layout import KVLayout
+from kvkeep.vllm.loader import BackgroundLoads, BlockLoader, LoadResult, result_of
 from kvkeep.vllm.saver import Saver, staging_shape
 from kvkeep.vllm.scheduling import (
     Counters,
@@ -27,7 +30,7 @@ from kvkeep.vllm.scheduling import (
     StepPlan,
     timed,
 )
-from kvkeep.vllm.transfer import Mover, region_of
+from kvkeep.vllm.transfer import Mover
 
 log = logging.getLogger("vllm.kvkeep")
 SUMMARY_EVERY_S = 10.0
@@ -68,6 +71,9 @@ class WorkerSide:
         self.audit = audit
         self.staging_bytes = staging_bytes
         self.saver: Saver | None = None
+        self.loader: BlockLoader | None = None
+        self.background: BackgroundLoads | None = None
+        self._unstarted: list[LoadResult] = []
         self.mover = Mover()
         self.tp_rank, _ = compat.tp_rank_size(vllm_config)
         self.layout: KVLayout | None = None
@@ -88,6 +94,11 @@ class WorkerSide:
         self.saver = Saver(
             self.client.sibling(), self.layout, self._count, self._timed, shape, self.mover
         )
+        self.loader = BlockLoader(self.client, self.layout, self.mover, self._count, self._timed)
+        background = BlockLoader(
+            self.client.sibling(), self.layout, self.mover, self._count, self._timed
+        )
+        self.background = BackgroundLoads(background, self._count)
         log.info(
             "kvkeep: %d layers, %s pages of %d bytes (%s), %d-byte blocks, %s copies, "
             "staging %d x %d blocks",
@@ -114,76 +125,78 @@ class WorkerSide:
     # loads ---------------------------------------------------------------------------------
 
     def load(self, plan: StepPlan) -> None:
-        """Fill every planned block, or report it in the load errors. Never raises."""
+        """Fill every synchronous load's blocks now, or report them in the load errors; start
+        the asynchronous ones (reported by ``finished_loads``). Never raises."""
+        now = [r for r in plan.loads if not r.background]
+        later = [r for r in plan.loads if r.background]
+        if later:
+            self._start_background(plan, later)
+        if not now:
+            return
         t0 = time.perf_counter()
-        loaded = failed = 0
-        for request in plan.loads:
-            done = self._load_request(plan, request)
-            self._load_errors.update(b.block_id for b in request.blocks[done:])
-            loaded, failed = loaded + done, failed + len(request.blocks) - done
+        results = [result_of(r, self._load_now(plan, r)) for r in now]
+        failed = self._note_results(results)
         self._failed_this_step = self._failed_this_step or failed > 0
         elapsed = time.perf_counter() - t0
-        self._count("loaded_tokens", loaded * plan.namespace.block_size)
-        self._count("load_failed_tokens", failed * plan.namespace.block_size)
         self._count("load_s", elapsed)
-        log.info("kvkeep: loaded %d blocks (%d failed) in %.1f ms", loaded, failed, 1e3 * elapsed)
+        log.info("kvkeep: loaded %d blocks (%d failed) in %.1f ms",
+                 sum(r.loaded for r in results), failed, 1e3 * elapsed)  # fmt: skip
         self._maybe_summarize()
 
-    def _load_request(self, plan: StepPlan, request: RequestLoad) -> int:
-        """How many leading blocks of ``request`` were verified and copied in (0 when the copy
-        itself failed: a batched copy may have written any of them)."""
-        if self.layout is None:
+    def _load_now(self, plan: StepPlan, request: RequestLoad) -> int:
+        if self.loader is None:
             return 0
-        slots: list[SlotRef] = []
-        corrupt: list[SlotRef] = []
-        good = 0
         try:
             session = self._session(plan)
-            with self._timed("acquire_rpc_s"):
-                slots = self.client.acquire(session, [b.key for b in request.blocks])
-            good = self._verified(request, slots)
-            if good < len(slots):
-                log.warning("kvkeep: block %s failed its checksum", slots[good].key.hex()[:12])
-                # Report every bad one of the rest too (this path is rare): the server drops
-                # them, so one pass is enough for loads or saves to replace them.
-                corrupt = [s for s in slots[good:] if not self.client.verify(s)]
-            self._copy_in(request, slots[:good])
-        except Exception as exc:
-            log.warning("kvkeep: load of %s failed (%d blocks verified): %s", request.req_id,
-                        good, exc)  # fmt: skip
-            good = 0
-        finally:
-            self._release(slots, corrupt)
-        return good
+        except Exception:
+            return 0
+        return self.loader.load(session, request)
 
-    def _verified(self, request: RequestLoad, slots: Sequence[SlotRef]) -> int:
-        """How many leading slots hold their block's key and pass their checksum."""
-        for i, (block, slot) in enumerate(zip(request.blocks, slots, strict=False)):
-            if slot.key != block.key or not self._verify(slot):
-                return i
-        return len(slots)
-
-    def _copy_in(self, request: RequestLoad, slots: Sequence[SlotRef]) -> None:
-        assert self.layout is not None
-        mapping = self.client.arena_mapping()
-        if mapping is not None:
-            self.mover.pin_arena(region_of(*mapping))
-        views = [self.client.slot_view(s) for s in slots]
-        with self._timed("copy_in_s"):
-            self.mover.scatter(
-                self.layout, [b.block_id for b in request.blocks[: len(slots)]], views
-            )
-
-    def _release(self, slots: Sequence[SlotRef], corrupt: Sequence[SlotRef] = ()) -> None:
-        if not slots:
+    def _start_background(self, plan: StepPlan, requests: list[RequestLoad]) -> None:
+        """Queue asynchronous loads behind a fence on the engine's work so far. Without a
+        loader (no KV cache registered) they end at once, failed, in the next report."""
+        if self.background is None or self.layout is None:
+            self._unstarted += [result_of(r, 0) for r in requests]
             return
-        # On failure the server drops a dead connection's pins itself.
-        with contextlib.suppress(CacheUnavailable), self._timed("release_rpc_s"):
-            self.client.release(slots, corrupt)
+        try:
+            after = self.mover.fence()
+            session = self._session(plan)
+        except Exception:
+            log.exception("kvkeep: could not start asynchronous loads; vLLM recomputes them")
+            self._unstarted += [result_of(r, 0) for r in requests]
+            return
+        for request in requests:
+            self.background.submit(session, request, after)
 
-    def _verify(self, slot: SlotRef) -> bool:
-        with self._timed("verify_s"):
-            return self.client.verify(slot)
+    def finished_loads(self) -> set[str] | None:
+        """Requests whose asynchronous load ended since the last call (vLLM's
+        ``finished_recving``); their failed blocks join this step's load errors, which vLLM
+        reads in the same step. None when there are none. Never raises."""
+        results, self._unstarted = self._unstarted, []
+        if self.background is not None:
+            results += self.background.take_finished()
+        if not results:
+            return None
+        failed = self._note_results(results)
+        self._count("async_loads_failed", sum(1 for r in results if r.failed))
+        log.info("kvkeep: %d asynchronous loads finished, %d blocks loaded (%d failed)",
+                 len(results), sum(r.loaded for r in results), failed)  # fmt: skip
+        return {r.req_id for r in results}
+
+    def _note_results(self, results: Sequence[LoadResult]) -> int:
+        """Count loads and record their failed blocks as load errors; the failed count."""
+        block_size = self.layout.description.block_size if self.layout is not None else 0
+        loaded = sum(r.loaded for r in results)
+        failed = sum(len(r.failed) for r in results)
+        for r in results:
+            self._load_errors.update(r.failed)
+        self._count("loaded_tokens", loaded * block_size)
+        self._count("load_failed_tokens", failed * block_size)
+        return failed
+
+    def _release(self, slots: Sequence[SlotRef]) -> None:
+        with contextlib.suppress(CacheUnavailable), self._timed("release_rpc_s"):
+            self.client.release(slots)
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -278,6 +291,8 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         """Store what is staged (bounded by the RPC timeouts), then close both connections."""
+        if self.background is not None:
+            self.background.shutdown()
         if self.saver is not None:
             self.saver.shutdown()
         self.client.close()

