@@ -6,11 +6,8 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
-import pytest
 from test_saver import NS, block_bytes, engine, keys, make_saver
 
 from kvkeep.server.client import KVKeepClient, Session
@@ -18,16 +15,7 @@ from kvkeep.vllm.layout import KVLayout
 from kvkeep.vllm.loader import BackgroundLoads, BlockLoader, LoadResult
 from kvkeep.vllm.scheduling import BlockTransfer, Counters, RequestLoad
 from kvkeep.vllm.transfer import Mover
-from serverproc import Server, stop_all
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[Server]:
-    (tmp_path / "srv").mkdir()
-    srv = Server(tmp_path / "srv", ["--ram", "8MiB", "--extent", "1MiB"])
-    srv.start()
-    yield srv
-    stop_all([srv])
+from serverproc import Server
 
 
 def stored_blocks(srv: Server, n: int) -> tuple[KVLayout, Session, list[BlockTransfer]]:

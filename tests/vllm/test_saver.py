@@ -6,11 +6,8 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 
 from kvkeep.keys import BlockKey, Namespace, chain_keys
@@ -18,19 +15,10 @@ from kvkeep.server.client import KVKeepClient, Session
 from kvkeep.vllm.layout import KVLayout, LayoutDescription
 from kvkeep.vllm.saver import Saver, staging_shape
 from kvkeep.vllm.scheduling import BlockTransfer, Counters
-from serverproc import Server, stop_all
+from serverproc import Server
 
 L, B, H, N, C = 2, 12, 2, 16, 32
 NS = Namespace("tiny-model", "bfloat16", "LBHNC", "cpu", block_size=N)
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[Server]:
-    (tmp_path / "srv").mkdir()
-    srv = Server(tmp_path / "srv", ["--ram", "8MiB", "--extent", "1MiB"])
-    srv.start()
-    yield srv
-    stop_all([srv])
 
 
 def engine() -> KVLayout:
