@@ -113,8 +113,8 @@ def test_a_stalled_server_never_stalls_the_step(server: Server) -> None:
 
 def test_staging_holds_two_steps_by_default_and_splits_a_small_budget() -> None:
     mib = 1 << 20
-    assert staging_shape(100, mib, None) == (2, 100)  # two full steps of 1 MiB blocks
-    assert staging_shape(10, mib, None) == (6, 10)  # at least 64 MiB
-    assert staging_shape(100, mib, 8 * mib) == (2, 4)  # a small budget: more, smaller jobs
-    assert staging_shape(100, 16 * mib, 1) == (2, 1)
+    assert staging_shape(100, mib, None) == (8, 25)  # two full steps of 1 MiB blocks, 8 jobs
+    assert staging_shape(10, mib, None) == (8, 8)  # at least 64 MiB, in 8 jobs
+    assert staging_shape(100, mib, 8 * mib) == (8, 1)  # a small budget: more, smaller jobs
+    assert staging_shape(100, 16 * mib, 1) == (8, 1)
     assert staging_shape(768, 2 * mib, None) == (2, 256)  # capped at 1 GiB (pinned on CUDA)

@@ -47,15 +47,20 @@ MIN_STAGING_BYTES = 64 << 20
 MAX_AUTO_STAGING_BYTES = 1 << 30  # pinned memory on CUDA: a bigger budget is asked for, not taken
 
 
+MIN_BUFFERS = 8  # jobs the saver may have in flight before a step's saves are skipped
+
+
 def staging_shape(step_blocks: int, block_bytes: int, staging_bytes: int | None) -> tuple[int, int]:
-    """(buffers, rows per buffer) of the staging memory: at least two buffers, each one
-    step's blocks where the budget allows. ``staging_bytes`` None: two full steps, within
+    """(buffers, rows per buffer) of the staging memory: at least MIN_BUFFERS buffers, each
+    up to one step's blocks. A buffer holds one step's job however few blocks it has, so with
+    small steps (a low token budget) few buffers would drop saves while the saver catches up.
+    ``staging_bytes`` None: two full steps, within
     [64 MiB, 1 GiB]."""
     if staging_bytes is None:
         two_steps = 2 * step_blocks * block_bytes
         staging_bytes = max(MIN_STAGING_BYTES, min(MAX_AUTO_STAGING_BYTES, two_steps))
-    rows = max(1, min(step_blocks, staging_bytes // (2 * block_bytes)))
-    return max(2, staging_bytes // (rows * block_bytes)), rows
+    rows = max(1, min(step_blocks, staging_bytes // (MIN_BUFFERS * block_bytes)))
+    return max(MIN_BUFFERS, staging_bytes // (rows * block_bytes)), rows
 
 
 class _Job(NamedTuple):
