@@ -117,4 +117,4 @@ def test_staging_holds_two_steps_by_default_and_splits_a_small_budget() -> None:
     assert staging_shape(10, mib, None) == (8, 8)  # at least 64 MiB, in 8 jobs
     assert staging_shape(100, mib, 8 * mib) == (8, 1)  # a small budget: more, smaller jobs
     assert staging_shape(100, 16 * mib, 1) == (8, 1)
-    assert staging_shape(768, 2 * mib, None) == (2, 256)  # capped at 1 GiB (pinned on CUDA)
+    assert staging_shape(768, 2 * mib, None) == (8, 64)  # capped at 1 GiB (pinned on CUDA)
