@@ -373,3 +373,14 @@ def test_weights_fingerprint_tells_checkpoints_apart(tmp_path: Path) -> None:
 def _events(counts: dict[str, float] | None) -> dict[str, float]:
     """Counters without the profile's seconds."""
     return {k: v for k, v in (counts or {}).items() if not k.endswith("_s")}
+
+
+def test_generated_weights_are_refused_at_start_up() -> None:
+    """vLLM's dummy weights make every reply independent of its context: no KV check could
+    fail, so the connector refuses them and names the fix."""
+    dummy = engine()
+    dummy.load_config = SimpleNamespace(load_format="dummy")
+    with pytest.raises(UnsupportedConfig, match="own weights"):
+        check_supported(dummy, cache_config(full()))
+    dummy.load_config = SimpleNamespace(load_format="safetensors")
+    check_supported(dummy, cache_config(full()))

@@ -100,9 +100,8 @@ def attention_backend(vllm_config: Any, kv_cache_config: Any) -> str:
 
 def model_digest(vllm_config: Any) -> str:
     """sha256 over what makes the weights and the KV they produce: model id and revision, the
-    HF config, dtype, quantization, load format and a fingerprint of local weight files. A
-    user's engine may still run on weights vLLM generates from ``--seed`` (load format
-    "dummy"; kvkeep's own bench and tests refuse it): then the seed names the weights."""
+    HF config, dtype, quantization, load format and a fingerprint of local weight files
+    (generated weights are refused by ``check_supported``)."""
     mc = vllm_config.model_config
     load_format = load_format_of(vllm_config)
     ident = {
@@ -112,7 +111,6 @@ def model_digest(vllm_config: Any) -> str:
         "dtype": str(mc.dtype),
         "quantization": mc.quantization,
         "load_format": load_format,
-        "seed": mc.seed if load_format == "dummy" else None,
         "weights": weights_fingerprint(str(mc.model)),
     }
     text = json.dumps(ident, sort_keys=True, default=str)
@@ -227,6 +225,12 @@ def check_supported(vllm_config: Any, kv_cache_config: Any | None) -> None:
     would be served with missing or wrong KV. Raises UnsupportedConfig naming the problem.
     """
     _check_parallel(vllm_config.parallel_config)
+    if load_format_of(vllm_config) == "dummy":
+        raise UnsupportedConfig(
+            "vLLM generates this model's weights (--load-format dummy): its replies do not "
+            "depend on their context, so no check can tell right KV from wrong; load the "
+            "model's own weights (e.g. `kvkeep model tiny DIR` writes a small seeded model)"
+        )
     if kv_cache_config is None:
         raise UnsupportedConfig(
             "kvkeep needs vLLM's KV cache config to describe its blocks, and the connector was "

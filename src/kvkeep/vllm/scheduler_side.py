@@ -55,12 +55,6 @@ class SchedulerSide:
         self._announce(client.socket_path)
 
     def _announce(self, socket_path: str | None) -> None:
-        if compat.load_format_of(self.vllm_config) == "dummy":
-            log.warning(
-                "kvkeep: vLLM generates this model's weights (load format dummy): its replies "
-                "do not depend on their context, so nothing can tell right KV from wrong; "
-                "use the model's own weights to check kvkeep"
-            )
         try:
             self.client.hello(self.namespace, self.session.block_bytes, "scheduler")
             log.info("kvkeep: cache server at %s, namespace %s", socket_path, self._ns_label())
