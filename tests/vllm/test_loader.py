@@ -47,12 +47,7 @@ def wait_finished(loads: BackgroundLoads, n: int) -> list[LoadResult]:
 
 def arena_problems(srv: Server) -> list[str]:
     """The server's arena accounting (pins included); [] when sound."""
-    client = KVKeepClient(srv.socket, timeout_s=5.0)
-    try:
-        problems: list[str] = client.stats(integrity=True)["integrity"]
-        return problems
-    finally:
-        client.close()
+    return srv.check_integrity()
 
 
 def test_background_loads_fill_the_blocks_and_report_each_request_once(server: Server) -> None:
