@@ -38,7 +38,7 @@ from kvkeep.bench.metrics import kvkeep_tokens
 from kvkeep.model import TinyModelSpec, write_tiny_model
 from kvkeep.serve import CacheServerConfig, CacheServerProcess
 from kvkeep.server.client import KVKeepClient
-from kvkeep.store.disk import read_index
+from kvkeep.store.diskformat import read_index
 from kvkeep.workload import HFTokenizer, SessionSpec, generate_sessions
 
 from .engine import Reference, Served, arena_problems, complete, reference

@@ -15,7 +15,7 @@ import pytest
 
 from kvkeep.keys import BlockKey
 from kvkeep.server.client import KVKeepClient, Session
-from kvkeep.store.disk import HEADER_BYTES, read_index, write_index
+from kvkeep.store.diskformat import HEADER_BYTES, read_index, write_index
 
 from .conftest import Server
 from .helpers import BLOCK, NS, disk_stats, fetch, keys, payload, store

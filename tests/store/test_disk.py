@@ -7,7 +7,8 @@ import struct
 import zlib
 from pathlib import Path
 
-from kvkeep.store.disk import HEADER_BYTES, DiskConfig, DiskTier
+from kvkeep.store.disk import DiskConfig, DiskTier
+from kvkeep.store.diskformat import HEADER_BYTES
 
 from .helpers import crc, key, payload
 

@@ -6,10 +6,7 @@ Directory layout::
     DIR/seg-00000001.idx   written (tmp + rename) when the segment is sealed: the index of
                            every record in it, checksummed, so start-up never reads the .log
 
-A record is ``header || payload``; the header (96 bytes, little-endian) is::
-
-    magic "KVKR" | version u16 | kind u16 (0 data, 1 tombstone) | length u64 |
-    key 64 bytes | payload checksum u64 | header checksum u64 (over the 88 bytes before it)
+A record is ``header || payload`` (``diskformat.py`` gives the header and index layouts).
 
 Checksums are ``kvkeep.store.base.checksum`` (XXH3-64). ``VERSION`` names the record and index
 format, checksum included: version 1 held CRC-32s. A segment written in another version is
@@ -37,7 +34,6 @@ import contextlib
 import errno
 import logging
 import os
-import struct
 import threading
 import time
 from collections import Counter
@@ -45,23 +41,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-import numpy as np
-
 from kvkeep.store.base import Found, StoreKey, TierCounters, TierStats, checksum
+from kvkeep.store.diskformat import (
+    HEADER_BYTES,
+    KIND_DATA,
+    KIND_TOMBSTONE,
+    VERSION,
+    Record,
+    format_version,
+    pack_header,
+    read_index,
+    unpack_header,
+    write_index,
+)
 from kvkeep.store.keyformat import namespace_of
 
-MAGIC = b"KVKR"
-INDEX_MAGIC = b"KVKI"
-VERSION = 2  # 2: XXH3-64 checksums (1: CRC-32)
-KIND_DATA, KIND_TOMBSTONE = 0, 1
-_HEADER = struct.Struct("<4sHHQ64sQ")
-_HEADER_SUM = struct.Struct("<Q")
-HEADER_BYTES = _HEADER.size + _HEADER_SUM.size
-_PREAMBLE = struct.Struct("<4sH")  # what every version's record and index start with
-_INDEX_HEADER = struct.Struct("<4sHHQQQ")  # magic, version, pad, count, segment size, checksum
-_INDEX_DTYPE = np.dtype(
-    [("key", "u1", (64,)), ("offset", "<u8"), ("length", "<u8"), ("crc", "<u8"), ("kind", "<u8")]
-)
 _MiB = 1 << 20
 
 log = logging.getLogger("kvkeep.store.disk")
@@ -94,17 +88,6 @@ class DiskConfig:
             )
 
 
-class Record(NamedTuple):
-    """One record of a segment, as found in its index or by a scan. ``crc`` is the payload's
-    ``checksum`` (the name is older than the switch from CRC-32)."""
-
-    key: StoreKey
-    offset: int  # of the payload
-    length: int
-    crc: int
-    kind: int
-
-
 class _Loc(NamedTuple):
     segment: int
     offset: int
@@ -119,24 +102,6 @@ class _Segment:
     size: int = 0
     records: list[Record] = field(default_factory=list)
     sealed: bool = False
-
-
-def pack_header(kind: int, key: bytes, length: int, crc: int) -> bytes:
-    head = _HEADER.pack(MAGIC, VERSION, kind, length, key, crc)
-    return head + _HEADER_SUM.pack(checksum(head))
-
-
-def unpack_header(raw: bytes, payload_offset: int) -> Record | None:
-    """The record a header describes, or None if it is not a valid header."""
-    if len(raw) != HEADER_BYTES:
-        return None
-    head = raw[: _HEADER.size]
-    if checksum(head) != _HEADER_SUM.unpack_from(raw, _HEADER.size)[0]:
-        return None
-    magic, version, kind, length, key, crc = _HEADER.unpack(head)
-    if magic != MAGIC or version != VERSION or kind not in (KIND_DATA, KIND_TOMBSTONE):
-        return None
-    return Record(StoreKey(key), payload_offset, length, crc, kind)
 
 
 class DiskTier:
@@ -384,7 +349,7 @@ class DiskTier:
     def _drop_other_versions(self, ids: list[int]) -> list[int]:
         """Delete the segments (and their indexes) written in another record format; the ids
         of the others. Their checksums mean something else, so they are never read."""
-        others = [i for i in ids if _format_version(self._path(i, "log")) not in (None, VERSION)]
+        others = [i for i in ids if format_version(self._path(i, "log")) not in (None, VERSION)]
         for segment_id in others:
             self._path(segment_id, "idx").unlink(missing_ok=True)
             self._path(segment_id, "log").unlink(missing_ok=True)
@@ -431,68 +396,6 @@ class DiskTier:
             os.ftruncate(segment.fd, pos)
             segment.size = pos
         return records
-
-
-def _format_version(path: Path) -> int | None:
-    """The version the segment's first record names; None if it has no readable record
-    header (empty, or torn: the scan deals with those)."""
-    with open(path, "rb") as f:
-        raw = f.read(_PREAMBLE.size)
-    if len(raw) < _PREAMBLE.size:
-        return None
-    magic, version = _PREAMBLE.unpack(raw)
-    return int(version) if magic == MAGIC else None
-
-
-def write_index(path: Path, records: list[Record], segment_size: int) -> None:
-    """Write a segment's index atomically (tmp + fsync + rename)."""
-    table = np.zeros(len(records), dtype=_INDEX_DTYPE)
-    if records:
-        table["key"] = np.frombuffer(b"".join(r.key for r in records), np.uint8).reshape(-1, 64)
-        table["offset"] = [r.offset for r in records]
-        table["length"] = [r.length for r in records]
-        table["crc"] = [r.crc for r in records]
-        table["kind"] = [r.kind for r in records]
-    body = table.tobytes()
-    header = _INDEX_HEADER.pack(INDEX_MAGIC, VERSION, 0, len(records), segment_size, checksum(body))
-    tmp = path.with_suffix(".idx.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(header + body)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def read_index(path: Path, segment_size: int) -> list[Record] | None:
-    """A segment's records from its index; None if missing, corrupt or not for this size."""
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        return None
-    if len(raw) < _INDEX_HEADER.size:
-        return None
-    magic, version, _, count, size, crc = _INDEX_HEADER.unpack_from(raw)
-    body = raw[_INDEX_HEADER.size :]
-    valid = magic == INDEX_MAGIC and version == VERSION and size == segment_size
-    if not valid or len(body) != count * _INDEX_DTYPE.itemsize or checksum(body) != crc:
-        return None
-    table = np.frombuffer(body, dtype=_INDEX_DTYPE)
-    keys = table["key"].tobytes()
-    columns = zip(
-        table["offset"].tolist(),
-        table["length"].tolist(),
-        table["crc"].tolist(),
-        table["kind"].tolist(),
-        strict=True,
-    )
-    return [
-        Record(StoreKey(keys[i * 64 : i * 64 + 64]), off, length, crc, kind)
-        for i, (off, length, crc, kind) in enumerate(columns)
-    ]
 
 
 def drop_page_cache(directory: str) -> None:
