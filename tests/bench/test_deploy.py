@@ -56,17 +56,23 @@ def test_a_model_without_weights_is_refused(tmp_path: Path) -> None:
         LaunchConfig(model=tmp_path).validate()
 
 
-def test_mode_kvkeep_runs_with_serves_scheduling_unless_the_config_sets_it(
+def test_every_mode_runs_with_the_same_scheduling_unless_the_config_sets_it(
     tiny_model: Path,
 ) -> None:
-    def threshold(mode: str, value: int | None) -> str | None:
+    """Modes differ only in their cache: serve's scheduling in every mode by default, vLLM's
+    own in every mode with scheduling "vllm", and a value given wins in both."""
+
+    def threshold(mode: str, value: int | None, scheduling: str = "kvkeep") -> str | None:
         cfg = LaunchConfig(model=tiny_model, mode=mode, cache_socket="/s",
-                           long_prefill_token_threshold=value)  # fmt: skip
+                           long_prefill_token_threshold=value, scheduling=scheduling)  # fmt: skip
         return flag_value(build_command(cfg, 1)[0], "--long-prefill-token-threshold")
 
-    assert threshold("kvkeep", None) == dict(CPU_SCHEDULING)["--long-prefill-token-threshold"]
-    assert threshold("vllm", None) is None  # vLLM's own default
+    serve = dict(CPU_SCHEDULING)["--long-prefill-token-threshold"]
+    assert {threshold(mode, None) for mode in MODES} == {serve}
+    assert {threshold(mode, None, "vllm") for mode in MODES} == {None}  # vLLM's own default
     assert threshold("kvkeep", 0) == "0"  # vLLM's default, asked for: no cap
-    assert threshold("vllm", 256) == "256"
+    assert threshold("vllm", 256, "vllm") == "256"
     with pytest.raises(ValueError, match="long_prefill_token_threshold"):
         LaunchConfig(model=tiny_model, long_prefill_token_threshold=-1).validate()
+    with pytest.raises(ValueError, match="scheduling 'fast': choose one of kvkeep, vllm"):
+        LaunchConfig(model=tiny_model, scheduling="fast").validate()

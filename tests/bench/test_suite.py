@@ -11,7 +11,8 @@ from pathlib import Path
 from kvkeep.bench import cli
 from kvkeep.bench.context import Needs, RunContext, Setup
 from kvkeep.bench.deploy.vllm import LaunchConfig
-from kvkeep.bench.suite import launch_config, run_modes
+from kvkeep.bench.scenarios import hol
+from kvkeep.bench.suite import _key, by_scenario, launch_config, run_modes
 
 BENCH = Path(__file__).resolve().parents[2] / "src" / "kvkeep" / "bench"
 
@@ -80,6 +81,25 @@ def test_launch_config_fits_the_longest_prompt_within_the_pool(tmp_path: Path) -
     pooled = launch_config(base, Needs(num_blocks=16), 5000)
     assert (pooled.num_blocks, pooled.max_model_len) == (16, 15 * 128)
     assert launch_config(base, Needs(max_num_batched_tokens=512), 0).max_num_batched_tokens == 512
+    assert launch_config(base, Needs(scheduling="vllm"), 0).scheduling == "vllm"
+    assert launch_config(base, Needs(), 0).scheduling == "kvkeep"
+
+
+def test_hol_compares_with_vllms_own_scheduling_in_a_deployment_of_its_own(
+    tmp_path: Path,
+) -> None:
+    """Every mode runs with serve's scheduling; `bench hol` adds mode vllm at vLLM's defaults
+    (filed as vllm@vllm-defaults), on a deployment that differs only in that."""
+    argv = ["--model", str(tmp_path), "--modes", "vllm,kvkeep"]
+    main, ref = hol.build(cli.parser("hol").parse_args(argv))
+    assert (main.needs().scheduling, ref.needs().scheduling) == (None, "vllm")
+    assert ref.needs().modes == ("vllm",) and ref.name == "hol@vllm-defaults"
+    base = LaunchConfig(model=tmp_path)
+    assert _key(main.needs(), base) != _key(ref.needs(), base)
+    same = cli.parser("hol").parse_args([*argv, "--scheduling", "vllm"])
+    assert [s.name for s in hol.build(same)] == ["hol"]  # every mode at vLLM's defaults already
+    results = {"hol": {"vllm": {"r": 1}}, "hol@vllm-defaults": {"vllm": {"r": 2}}}
+    assert by_scenario(results) == {"hol": {"vllm": {"r": 1}, "vllm@vllm-defaults": {"r": 2}}}
 
 
 def test_a_variant_is_filed_under_its_scenario_with_tagged_modes(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 from kvkeep.bench import report, suite
 from kvkeep.bench.context import Setup
 from kvkeep.bench.deploy.cache import CacheSpec
-from kvkeep.bench.deploy.vllm import MODES, LaunchConfig
+from kvkeep.bench.deploy.vllm import MODES, SCHEDULING, LaunchConfig
 from kvkeep.bench.report import tables
 from kvkeep.bench.report.environment import environment
 from kvkeep.bench.scenario import Scenario
@@ -113,7 +113,14 @@ def parser(name: str) -> argparse.ArgumentParser:
             "--long-prefill-token-threshold",
             type=int,
             help="vLLM's cap on one prefill's tokens per step while others wait "
-            "(0: vLLM's default, no cap; default: kvkeep serve's in mode kvkeep)",
+            "(0: vLLM's default, no cap; default: --scheduling's)",
+        )
+        p.add_argument(
+            "--scheduling",
+            choices=SCHEDULING,
+            default="kvkeep",
+            help="chunked-prefill defaults in every mode: kvkeep serve's (budget 256, "
+            "long-prefill cap 128 on CPU) or vLLM's own",
         )
         p.add_argument("--out", type=Path, help="write results.json, report.md and PNG plots here")
         p.add_argument(
@@ -172,6 +179,7 @@ def _setup(name: str, args: argparse.Namespace) -> Setup:
         num_blocks=getattr(args, "num_blocks", None),
         max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
         long_prefill_token_threshold=getattr(args, "long_prefill_token_threshold", None),
+        scheduling=getattr(args, "scheduling", "kvkeep"),
         reserved_cpus=args.reserved_cpus,
         log_dir=args.log_dir,
     )
@@ -195,9 +203,8 @@ def _scenarios(name: str, args: argparse.Namespace) -> Sequence[Scenario]:
 
 
 def _document(name: str, results: suite.Results, args: argparse.Namespace) -> dict[str, Any]:
-    """One scenario's document, or `bench all`'s; both record the same ``setup``. A scenario
-    named ``NAME@TAG`` (a variant: a chunked-prefill budget, a store) is filed under NAME,
-    its modes as ``MODE@TAG``."""
+    """One scenario's document, or `bench all`'s; both record the same ``setup``, and file a
+    variant ``NAME@TAG`` under NAME (`suite.by_scenario`)."""
     if name == "all":
         size = suite.QUICK if args.quick else suite.FULL
         doc = suite.suite_document(results, size)
@@ -205,9 +212,9 @@ def _document(name: str, results: suite.Results, args: argparse.Namespace) -> di
         doc["setup"] = {"size": "quick" if args.quick else "full", **_setup_record(args, blocks)}
         return doc
     doc = {"scenario": name, "modes": {}, "setup": _setup_record(args, args.num_blocks)}
-    for full, by_mode in results.items():
-        doc["scenario"], _, tag = full.partition("@")
-        doc["modes"].update({f"{m}@{tag}" if tag else m: r for m, r in by_mode.items()})
+    for scenario, by_mode in suite.by_scenario(results).items():
+        doc["scenario"] = scenario
+        doc["modes"].update(by_mode)
     document = COMMANDS[name].document
     for key, value in (document(args) if document else {}).items():
         doc[key] = {**doc.get(key, {}), **value}
@@ -220,7 +227,7 @@ def _setup_record(args: argparse.Namespace, blocks: int | None) -> dict[str, Any
         "endpoint": args.endpoint, "modes": args.modes, "model": str(args.model),
         "kv_pool_gib": args.kv_pool_gib, "num_blocks": blocks, "pool_blocks": blocks,
         "block_size": suite.BLOCK, "cache_ram": args.cache_ram, "cache_disk": args.cache_disk,
-        "reserved_cpus": args.reserved_cpus,
+        "reserved_cpus": args.reserved_cpus, "scheduling": getattr(args, "scheduling", None),
         "env": {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(args.reserved_cpus)},
         "mode_descriptions": {m: MODES[m].description for m in args.modes if m in MODES},
     }  # fmt: skip

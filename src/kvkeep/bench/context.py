@@ -30,8 +30,8 @@ class Needs:
       others its result is ``{}``, which the report shows as "not run";
     - ``own_engine``: it restarts or kills what it runs on, so `--endpoint` cannot serve it;
     - ``replicas`` vLLMs, each with its own cache server, on a ``shared_store`` if asked;
-    - ``tokens``: the longest prompt plus output; ``num_blocks`` and
-      ``max_num_batched_tokens`` override the run's vLLM settings.
+    - ``tokens``: the longest prompt plus output; ``num_blocks``,
+      ``max_num_batched_tokens`` and ``scheduling`` override the run's vLLM settings.
     """
 
     engine: bool = True
@@ -42,6 +42,7 @@ class Needs:
     tokens: int = 0
     num_blocks: int | None = None
     max_num_batched_tokens: int | None = None
+    scheduling: str | None = None  # `LaunchConfig.scheduling`
 
 
 @dataclass(frozen=True)

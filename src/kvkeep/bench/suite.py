@@ -33,6 +33,7 @@ from kvkeep.bench.scenario import Needs, Scenario
 from kvkeep.bench.scenarios.agents import AgentsScenario
 from kvkeep.bench.scenarios.capacity import CapacityScenario, CapacitySpec
 from kvkeep.bench.scenarios.hol import HOLScenario
+from kvkeep.bench.scenarios.hol import reference as hol_reference
 from kvkeep.bench.scenarios.replay import ReplayScenario
 from kvkeep.bench.scenarios.restart import RestartScenario, RestartSpec
 from kvkeep.bench.scenarios.session import SessionScenario
@@ -67,7 +68,7 @@ def _key(needs: Needs, base: LaunchConfig) -> tuple[object, ...]:
     """Scenarios with equal keys share one deployment: what they would launch is the same."""
     cfg = launch_config(base, needs, 0)
     return (needs.engine, needs.replicas, needs.shared_store, cfg.num_blocks,
-            cfg.max_num_batched_tokens)  # fmt: skip
+            cfg.max_num_batched_tokens, cfg.scheduling)  # fmt: skip
 
 
 def _describe(mode: str) -> str:
@@ -105,15 +106,28 @@ def _run_group(
     bar.update(len(group) - len(todo))
 
 
+def by_scenario(results: Results) -> Results:
+    """A scenario named ``NAME@TAG`` (a variant: a chunked-prefill budget, vLLM's default
+    scheduling, a store) filed under NAME, its modes as ``MODE@TAG``."""
+    out: Results = {}
+    for full, by_mode in results.items():
+        name, _, tag = full.partition("@")
+        out.setdefault(name, {}).update({f"{m}@{tag}" if tag else m: r for m, r in by_mode.items()})
+    return out
+
+
 def launch_config(base: LaunchConfig, needs: Needs, tokens: int) -> LaunchConfig:
-    """``base`` with what a group needs: its pool and budget, and a context long enough for
-    its longest prompt (rounded up to 1024, within the pool less vLLM's null block)."""
+    """``base`` with what a group needs: its pool, budget and scheduling, and a context long
+    enough for its longest prompt (rounded up to 1024, within the pool less vLLM's null
+    block)."""
     blocks = needs.num_blocks or base.num_blocks
     budget = needs.max_num_batched_tokens or base.max_num_batched_tokens
+    scheduling = needs.scheduling or base.scheduling
     length = max(base.max_model_len, -(-tokens // 1024) * 1024)
     if blocks is not None:
         length = min(length, (blocks - 1) * BLOCK)
-    return replace(base, num_blocks=blocks, max_num_batched_tokens=budget, max_model_len=length)
+    return replace(base, num_blocks=blocks, max_num_batched_tokens=budget, max_model_len=length,
+                   scheduling=scheduling)  # fmt: skip
 
 
 def _run_one(s: Scenario, ctx: RunContext, profile: bool = False) -> dict[str, Any]:
@@ -232,11 +246,13 @@ def suite(size: Size, counter: TokenCounter) -> list[Scenario]:
                                            doc_tokens=size.restart_doc_tokens)))  # fmt: skip
     if size.replay:  # after restart: a deployment of its own either way
         out.append(replay_scenario(size.replay))
+    out.append(hol_reference(1024, size.hol_long))  # last: its own deployment, mode vllm only
     return out
 
 
 def suite_document(results: Results, size: Size) -> dict[str, Any]:
-    """{"scenarios": {name: {"scenario": name, "modes": {mode: result}}}}."""
-    doc = {n: {"scenario": n, "modes": modes} for n, modes in results.items()}
+    """{"scenarios": {name: {"scenario": name, "modes": {mode: result}}}}, variants filed
+    under their scenario (`by_scenario`)."""
+    doc = {n: {"scenario": n, "modes": modes} for n, modes in by_scenario(results).items()}
     doc["session"]["spec"] = {"turns": SessionSpec().turns, "scale": size.session_scale}
     return {"scenarios": doc}

