@@ -6,12 +6,13 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from kvkeep.keys import BlockKey, Namespace, chain_keys
-from kvkeep.server.client import KVKeepClient, Session
+from kvkeep.server.client import KVKeepClient, Session, SlotRef
 from kvkeep.vllm.layout import KVLayout, LayoutDescription
 from kvkeep.vllm.saver import Saver, staging_shape
 from kvkeep.vllm.scheduling import BlockTransfer, Counters
@@ -78,6 +79,31 @@ def test_staged_blocks_arrive_under_their_keys_with_their_bytes(server: Server) 
     saver.shutdown()
 
 
+def test_small_steps_are_stored_together(server: Server) -> None:
+    """Steps of one block each, staged within the linger time, reach the server in far fewer
+    RESERVE/COMMIT pairs than steps, each block with its own bytes."""
+    layout = engine()
+    saver, counters = make_saver(server, layout, shape=staging_shape(1, 4096, 16 * 4096))
+    calls: list[int] = []
+    reserve = saver.client.reserve
+
+    def counted(session: Session, ks: Sequence[BlockKey]) -> list[SlotRef]:
+        calls.append(len(ks))
+        return reserve(session, ks)
+
+    saver.client.reserve = counted  # type: ignore[method-assign]
+    session = KVKeepClient.session(NS, layout.block_bytes)
+    ks, ids = keys(6), [3, 8, 1, 6, 10, 5]
+    for block_id, key in zip(ids, ks, strict=True):
+        assert saver.stage(session, [BlockTransfer(block_id, key)]) == 1
+        time.sleep(0.01)  # a step's forward
+    assert saver.drain(10)
+    assert stored(server, session, ks) == [block_bytes(layout, b) for b in ids]
+    assert sum(calls) == 6 and len(calls) <= 2, calls
+    assert counters.values["saved_tokens"] == 6 * N
+    saver.shutdown()
+
+
 def test_a_dead_server_costs_saves_only_and_frees_the_staging(server: Server) -> None:
     layout = engine()
     saver, counters = make_saver(server, layout, shape=(2, 1))
@@ -113,8 +139,8 @@ def test_a_stalled_server_never_stalls_the_step(server: Server) -> None:
 
 def test_staging_holds_two_steps_by_default_and_splits_a_small_budget() -> None:
     mib = 1 << 20
-    assert staging_shape(100, mib, None) == (8, 25)  # two full steps of 1 MiB blocks, 8 jobs
-    assert staging_shape(10, mib, None) == (8, 8)  # at least 64 MiB, in 8 jobs
-    assert staging_shape(100, mib, 8 * mib) == (8, 1)  # a small budget: more, smaller jobs
-    assert staging_shape(100, 16 * mib, 1) == (8, 1)
-    assert staging_shape(768, 2 * mib, None) == (8, 64)  # capped at 1 GiB (pinned on CUDA)
+    assert staging_shape(100, mib, None) == (16, 12)  # two full steps of 1 MiB blocks, 16 jobs
+    assert staging_shape(10, mib, None) == (16, 4)  # at least 64 MiB, in 16 jobs
+    assert staging_shape(100, mib, 8 * mib) == (16, 1)  # a small budget: more, smaller jobs
+    assert staging_shape(100, 16 * mib, 1) == (16, 1)
+    assert staging_shape(768, 2 * mib, None) == (16, 32)  # capped at 1 GiB (pinned on CUDA)

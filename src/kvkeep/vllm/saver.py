@@ -9,6 +9,14 @@ into its slot, checksums the slot and COMMITs::
     step:        gather_blocks(ids) -> staging rows          (the only copy vLLM waits for)
     background:  RESERVE keys -> rows into slots -> checksum(slot) -> COMMIT -> free the rows
 
+The background thread stores several steps' jobs at once: it waits up to ``LINGER_S`` after
+a job for more (while enough buffers stay free for the steps), then sends one RESERVE and one
+COMMIT per session for all of them. With small steps (serve's CPU budget is two blocks) a
+RESERVE and COMMIT per step cost the cache server and this thread more CPU than the copies,
+and on a machine whose cores all run the engine that CPU is taken from the forward. A save is
+therefore visible up to ``LINGER_S`` later than its step; ``drain`` and ``shutdown`` store
+what is waiting at once.
+
 Why staging, not slots leased ahead: a slot is reserved under its key, and the keys of a
 step's blocks are known only when its plan arrives; an RPC to get them would be on the step.
 The price is one memcpy per saved byte, off the step.
@@ -28,6 +36,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -47,7 +56,9 @@ MIN_STAGING_BYTES = 64 << 20
 MAX_AUTO_STAGING_BYTES = 1 << 30  # pinned memory on CUDA: a bigger budget is asked for, not taken
 
 
-MIN_BUFFERS = 8  # jobs the saver may have in flight before a step's saves are skipped
+MIN_BUFFERS = 16  # jobs the saver may have in flight before a step's saves are skipped
+LINGER_S = 0.1  # how long the background thread waits for more jobs to store together
+MAX_BATCH_BLOCKS = 256  # blocks stored by one RESERVE/COMMIT pair, at most
 
 
 def staging_shape(step_blocks: int, block_bytes: int, staging_bytes: int | None) -> tuple[int, int]:
@@ -94,9 +105,9 @@ class Saver:
         self.client, self.layout = client, layout
         self._count, self._timed = count, timed
         self.mover = mover or Mover()
-        buffers, self.rows_per_buffer = shape
+        self._buffers, self.rows_per_buffer = shape
         self._free: queue.Queue[torch.Tensor] = queue.Queue()
-        for _ in range(buffers):
+        for _ in range(self._buffers):
             self._free.put(self.mover.host_buffer(self.rows_per_buffer, layout.block_bytes))
         self._jobs: queue.Queue[_Job | threading.Event | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="kvkeep-save", daemon=True)
@@ -146,23 +157,52 @@ class Saver:
             if isinstance(job, threading.Event):  # drain(): everything before it is done
                 job.set()
                 continue
+            batch, control = self._gather(job)
             try:
-                self._store(job)
+                for session in dict.fromkeys(j.session for j in batch):
+                    self._store([j for j in batch if j.session is session])
             finally:
-                self._free.put(job.buffer)
+                for j in batch:
+                    self._free.put(j.buffer)
+            if control is None:
+                return
+            if isinstance(control, threading.Event):
+                control.set()
 
-    def _store(self, job: _Job) -> None:
-        """RESERVE, copy rows into slots, checksum, COMMIT; on any failure publish nothing."""
+    def _gather(self, first: _Job) -> tuple[list[_Job], threading.Event | bool | None]:
+        """``first`` and the jobs that arrive within LINGER_S after it, while a quarter of
+        the buffers stay free and the batch holds at most MAX_BATCH_BLOCKS blocks; plus the
+        control item that ended it (a drain's Event, None for shutdown; True: no control)."""
+        batch, blocks = [first], len(first.keys)
+        deadline = time.monotonic() + LINGER_S
+        while blocks < MAX_BATCH_BLOCKS and self._free.qsize() > self._buffers // 4:
+            try:
+                item = self._jobs.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if item is None or isinstance(item, threading.Event):
+                return batch, item
+            batch.append(item)
+            blocks += len(item.keys)
+        return batch, True
+
+    def _store(self, jobs: Sequence[_Job]) -> None:
+        """RESERVE, copy rows into slots, checksum, COMMIT; on any failure publish nothing.
+        ``jobs`` share one session; a key staged twice is stored from its first row."""
+        rows: dict[BlockKey, torch.Tensor] = {}
+        for job in jobs:
+            job.wait()
+            for j, key in enumerate(job.keys):
+                rows.setdefault(key, job.buffer[j])
         slots: list[SlotRef] = []
         try:
-            job.wait()
             with self._timed("reserve_rpc_s"):
-                slots = self.client.reserve(job.session, job.keys)
+                slots = self.client.reserve(jobs[0].session, list(rows))
             if not slots:
                 return
-            crcs = self._fill(job, slots)
+            crcs = self._fill(rows, slots)
             with self._timed("commit_rpc_s"):
-                self.client.commit(job.session, slots, crcs)
+                self.client.commit(jobs[0].session, slots, crcs)
             self._count("saved_tokens", len(slots) * self.layout.description.block_size)
         except Exception as exc:
             self._count("save_failures", 1)
@@ -170,15 +210,13 @@ class Saver:
             with contextlib.suppress(CacheUnavailable):
                 self.client.release(slots)
 
-    def _fill(self, job: _Job, slots: Sequence[SlotRef]) -> list[int]:
+    def _fill(self, rows: dict[BlockKey, torch.Tensor], slots: Sequence[SlotRef]) -> list[int]:
         """Copy each slot's row into it; the checksums of the slots' bytes, in order."""
-        row_of = {key: j for j, key in enumerate(job.keys)}
-        rows = job.buffer.numpy()
         crcs = []
         for slot in slots:
             view = self.client.slot_view(slot)
             with self._timed("slot_copy_s"):
-                np.copyto(view, rows[row_of[slot.key]])
+                np.copyto(view, rows[slot.key].numpy())
             with self._timed("checksum_s"):
                 crcs.append(checksum(view.data))
         return crcs
