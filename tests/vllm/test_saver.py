@@ -9,10 +9,12 @@ import time
 from collections.abc import Sequence
 
 import numpy as np
+import pytest
 import torch
 
 from kvkeep.keys import BlockKey, Namespace, chain_keys
 from kvkeep.server.client import KVKeepClient, Session, SlotRef
+from kvkeep.vllm import saver as saver_module
 from kvkeep.vllm.layout import KVLayout, LayoutDescription
 from kvkeep.vllm.saver import Saver, staging_shape
 from kvkeep.vllm.scheduling import BlockTransfer, Counters
@@ -101,6 +103,26 @@ def test_small_steps_are_stored_together(server: Server) -> None:
     assert stored(server, session, ks) == [block_bytes(layout, b) for b in ids]
     assert sum(calls) == 6 and len(calls) <= 2, calls
     assert counters.values["saved_tokens"] == 6 * N
+    saver.shutdown()
+
+
+def test_a_step_that_saves_nothing_stores_what_waits(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Jobs wait for more only while steps keep saving: a flush (a step with no saves, as
+    when a prefill ends) sends them at once, long before the linger time."""
+    monkeypatch.setattr(saver_module, "LINGER_S", 30.0)
+    layout = engine()
+    saver, _ = make_saver(server, layout, shape=(16, 1))
+    session = KVKeepClient.session(NS, layout.block_bytes)
+    ks = keys(2, 40)
+    for block_id, key in zip((4, 9), ks, strict=True):
+        assert saver.stage(session, [BlockTransfer(block_id, key)]) == 1
+    saver.flush()
+    deadline = time.monotonic() + 10
+    while stored(server, session, ks) != [block_bytes(layout, 4), block_bytes(layout, 9)]:
+        assert time.monotonic() < deadline, "the flushed jobs were not stored"
+        time.sleep(0.05)
     saver.shutdown()
 
 

@@ -10,8 +10,9 @@ into its slot, checksums the slot and COMMITs::
     background:  RESERVE keys -> rows into slots -> checksum(slot) -> COMMIT -> free the rows
 
 The background thread stores several steps' jobs at once: it waits up to ``LINGER_S`` after
-a job for more (while enough buffers stay free for the steps), then sends one RESERVE and one
-COMMIT per session for all of them. With small steps (serve's CPU budget is two blocks) a
+a job for more (while enough buffers stay free for the steps, and until a step saves nothing:
+``flush``, as when prefills end), then sends one RESERVE and one COMMIT per session for all
+of them. With small steps (serve's CPU budget is two blocks) a
 RESERVE and COMMIT per step cost the cache server and this thread more CPU than the copies,
 and on a machine whose cores all run the engine that CPU is taken from the forward. A save is
 therefore visible up to ``LINGER_S`` later than its step; ``drain`` and ``shutdown`` store
@@ -57,7 +58,7 @@ MAX_AUTO_STAGING_BYTES = 1 << 30  # pinned memory on CUDA: a bigger budget is as
 
 
 MIN_BUFFERS = 16  # jobs the saver may have in flight before a step's saves are skipped
-LINGER_S = 0.1  # how long the background thread waits for more jobs to store together
+LINGER_S = 0.05  # how long the background thread waits for more jobs to store together
 MAX_BATCH_BLOCKS = 256  # blocks stored by one RESERVE/COMMIT pair, at most
 
 
@@ -80,6 +81,8 @@ class _Job(NamedTuple):
     buffer: torch.Tensor
     wait: Wait
 
+
+_FLUSH = object()  # in the job queue: store the jobs gathered so far without waiting
 
 Count = Callable[[str, float], None]
 Timed = Callable[[str], contextlib.AbstractContextManager[None]]
@@ -109,7 +112,8 @@ class Saver:
         self._free: queue.Queue[torch.Tensor] = queue.Queue()
         for _ in range(self._buffers):
             self._free.put(self.mover.host_buffer(self.rows_per_buffer, layout.block_bytes))
-        self._jobs: queue.Queue[_Job | threading.Event | None] = queue.Queue()
+        self._jobs: queue.Queue[_Job | threading.Event | object | None] = queue.Queue()
+        self._lingering = False  # a job was queued since the last flush
         self._thread = threading.Thread(target=self._loop, name="kvkeep-save", daemon=True)
         self._thread.start()
 
@@ -145,7 +149,14 @@ class Saver:
             self._free.put(buffer)
             raise
         self._jobs.put(_Job(session, tuple(k for k, _ in chunk), buffer, wait))
+        self._lingering = True
         return True
+
+    def flush(self) -> None:
+        """A step saved nothing: store what waits for more jobs now. Cheap when nothing does."""
+        if self._lingering:
+            self._lingering = False
+            self._jobs.put(_FLUSH)
 
     # in the background ---------------------------------------------------------------------
 
@@ -156,6 +167,8 @@ class Saver:
                 return
             if isinstance(job, threading.Event):  # drain(): everything before it is done
                 job.set()
+                continue
+            if not isinstance(job, _Job):  # a flush with nothing waiting
                 continue
             batch, control = self._gather(job)
             try:
@@ -182,6 +195,8 @@ class Saver:
                 break
             if item is None or isinstance(item, threading.Event):
                 return batch, item
+            if not isinstance(item, _Job):  # flush
+                break
             batch.append(item)
             blocks += len(item.keys)
         return batch, True

@@ -210,6 +210,8 @@ class WorkerSide:
         computed may be wrong (vLLM recomputes them; the scheduler side re-plans the saves)."""
         failed, self._failed_this_step = self._failed_this_step, False
         if plan is None or not plan.saves:
+            if self.saver is not None:
+                self.saver.flush()  # prefills ended or paused: what waits is stored now
             return
         if failed:
             self._count("saves_dropped", len(plan.saves))
