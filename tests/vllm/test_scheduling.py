@@ -9,6 +9,7 @@ import pytest
 
 from kvkeep.keys import Namespace, chain_keys
 from kvkeep.vllm.scheduling import (
+    LOAD_ASYNC_MIN_BYTES,
     BlockTransfer,
     ClaimRange,
     ConnectorConfig,
@@ -73,10 +74,25 @@ def test_config_from_extra_validates() -> None:
     assert ConnectorConfig.from_extra(extra).load_async_min_blocks == 4
     extra["load_async_min_blocks"] = None
     assert ConnectorConfig.from_extra(extra).load_async_min_blocks is None
-    for bad in (0, 2.5, True):
+    for bad in (0, 2.5, True, "always"):
         extra["load_async_min_blocks"] = bad
         with pytest.raises(ValueError, match="load_async_min_blocks"):
             ConnectorConfig.from_extra(extra)
+
+
+def test_the_async_threshold_is_a_size_in_bytes_unless_given_in_blocks() -> None:
+    """By default a hit loads in the background from LOAD_ASYNC_MIN_BYTES of blocks on,
+    whatever the model's block size; a number of blocks or null (never) overrides it."""
+    auto = ConnectorConfig.from_extra({"socket": "/s"})
+    assert auto.load_async_min_blocks == "auto"
+    assert auto.async_min_blocks(256 << 10) == LOAD_ASYNC_MIN_BYTES // (256 << 10)
+    assert auto.async_min_blocks(2 << 20) == LOAD_ASYNC_MIN_BYTES // (2 << 20)
+    assert auto.async_min_blocks(LOAD_ASYNC_MIN_BYTES * 2) == 1
+    assert auto.async_min_blocks(3 << 20) == -(-LOAD_ASYNC_MIN_BYTES // (3 << 20))  # rounded up
+    given = ConnectorConfig.from_extra({"socket": "/s", "load_async_min_blocks": 4})
+    assert given.async_min_blocks(256 << 10) == 4
+    never = ConnectorConfig.from_extra({"socket": "/s", "load_async_min_blocks": None})
+    assert never.async_min_blocks(256 << 10) is None
     with pytest.raises(ValueError, match="staging_mib"):
         ConnectorConfig.from_extra({"socket": "/s", "staging_mib": 0})
 

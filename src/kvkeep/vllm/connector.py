@@ -14,9 +14,10 @@ load and the blocks that become full (to save) in a ``StepPlan``.
 
 Worker side: a load is ACQUIRE (pins) → verify the checksum → copy each block (all layers)
 into the allocated blocks → RELEASE. Small hits load synchronously, before the forward. A
-hit of ``load_async_min_blocks`` blocks or more loads asynchronously (``load_async``): vLLM
-parks the request, the worker copies on a background thread while other requests' steps run,
-and ``get_finished`` reports the request when its blocks are in (:mod:`kvkeep.vllm.loader`).
+hit of ``load_async_min_blocks`` blocks (by default 32 MiB of them) or more loads
+asynchronously (``load_async``): vLLM parks the request, the worker copies on a background
+thread while other requests' steps run, and ``get_finished`` reports the request when its
+blocks are in (:mod:`kvkeep.vllm.loader`).
 A block that is missing, corrupt or fails to copy is reported through
 ``get_block_ids_with_load_errors`` (for an asynchronous load, in the step that reports it
 finished) and vLLM recomputes it (policy "recompute").
@@ -111,8 +112,9 @@ class KVKeepConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
+            block_bytes = compat.expected_block_bytes(kv_cache_config)
             self._scheduler = SchedulerSide(
-                vllm_config, kv_cache_config, client, config.load_async_min_blocks
+                vllm_config, kv_cache_config, client, config.async_min_blocks(block_bytes)
             )
         else:
             staging = None if config.staging_mib is None else int(config.staging_mib * (1 << 20))

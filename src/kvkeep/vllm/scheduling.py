@@ -46,14 +46,16 @@ from kvkeep.keys import BlockKey, Namespace, chain_keys
 
 # --- configuration ------------------------------------------------------------------------
 
-DEFAULT_LOAD_ASYNC_MIN_BLOCKS = 32
+LOAD_ASYNC_MIN_BYTES = 32 << 20
 """Where a synchronous load starts to cost the other running requests more than an
-asynchronous one costs its own request (one extra engine step). Measured with
-``scripts/async_threshold.py`` (tiny model, 2 cores, 128-token blocks): a synchronous load
-takes about 0.7 ms + 0.12 ms per block (4.7 ms for 32 blocks, 6.6 ms for 48) against a decode
-step of 4.9 ms (1 request) to 5.6 ms (4 requests); on an idle engine asynchronous loads cost
-no measurable time to first token (within 3 ms noise at 1-48 blocks). Configurable as
-``load_async_min_blocks``; measure again where steps or copies differ (GPUs)."""
+asynchronous one costs its own request (one extra engine step): the default threshold
+(``load_async_min_blocks`` "auto") is this many bytes of blocks. Measured on 2 cores with the
+tiny model (256 KiB blocks): a decode step takes about 5 ms (``scripts/async_threshold.py``),
+and a synchronous load with batched copies about 0.8 ms for 32 blocks and 4 ms for 128 on an
+idle machine (ACQUIRE, verify, copy, RELEASE), so 32 MiB stalls the others for about a step.
+An asynchronous load costs its own request at least one step, which at 32 blocks was a
+quarter of a cached request's TTFT (S4). Over PCIe with pinned memory 32 MiB is about 1.5 ms.
+Set ``load_async_min_blocks`` to a number of blocks, or null for never."""
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,7 @@ class ConnectorConfig:
     # a hit of at least this many blocks loads in the background (vLLM's async load): the
     # request waits a step or more, other requests' steps do not wait for its copies.
     # None: every load is synchronous.
-    load_async_min_blocks: int | None = DEFAULT_LOAD_ASYNC_MIN_BLOCKS
+    load_async_min_blocks: int | str | None = "auto"  # "auto": LOAD_ASYNC_MIN_BYTES of blocks
 
     def __post_init__(self) -> None:
         if not self.socket:
@@ -85,9 +87,10 @@ class ConnectorConfig:
         if self.staging_mib is not None and not 1 <= self.staging_mib <= 65536:
             raise ValueError(f"staging_mib must lie in [1, 65536] MiB, got {self.staging_mib}")
         blocks = self.load_async_min_blocks
-        if blocks is not None and (not isinstance(blocks, int) or blocks < 1):
+        if blocks != "auto" and blocks is not None and (not isinstance(blocks, int) or blocks < 1):
             raise ValueError(
-                f"load_async_min_blocks must be a whole number >= 1 (or null: never load in "
+                f'load_async_min_blocks must be a whole number >= 1, "auto" (the default: '
+                f"{LOAD_ASYNC_MIN_BYTES >> 20} MiB of blocks) or null (never load in "
                 f"the background), got {blocks!r}"
             )
 
@@ -111,15 +114,29 @@ class ConnectorConfig:
         }
         for key in whole:
             if key in extra:
-                numbers[key] = _whole_or_none(key, extra[key])
+                numbers[key] = (
+                    extra[key] if extra[key] == "auto" else _whole_or_none(key, extra[key])
+                )
         return cls(socket=str(extra["socket"]), audit=audit, **numbers)
+
+    def async_min_blocks(self, block_bytes: int) -> int | None:
+        """The smallest hit, in blocks of ``block_bytes``, that loads asynchronously (None:
+        none does)."""
+        if self.load_async_min_blocks == "auto":
+            return max(1, -(-LOAD_ASYNC_MIN_BYTES // max(block_bytes, 1)))
+        assert not isinstance(self.load_async_min_blocks, str)
+        return self.load_async_min_blocks
 
 
 def _whole_or_none(key: str, value: Any) -> int | None:
     """``value`` as an int (None stays None); raises ValueError naming ``key`` otherwise."""
     if value is None:
         return None
-    if isinstance(value, bool) or float(value) != int(float(value)):
+    try:
+        whole = not isinstance(value, bool) and float(value) == int(float(value))
+    except (TypeError, ValueError):
+        whole = False
+    if not whole:
         raise ValueError(f"kv_connector_extra_config.{key} must be a whole number: {value!r}")
     return int(float(value))
 
