@@ -158,7 +158,7 @@ def build(args: argparse.Namespace) -> list[HOLScenario]:
     else:
         out = [HOLScenario(args.short_tokens, args.long_tokens, budget=b, name=f"hol@{b}")
                for b in args.budgets]  # fmt: skip
-    if args.scheduling == "kvkeep" and "vllm" in args.modes:
+    if args.scheduling == "kvkeep" and "vllm" in args.modes and not args.endpoint:
         out.append(reference(args.short_tokens, args.long_tokens))
     return out
 
