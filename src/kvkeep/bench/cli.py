@@ -197,7 +197,8 @@ def _scenarios(name: str, args: argparse.Namespace) -> Sequence[Scenario]:
     module = COMMANDS[name].module
     if module is None:
         size = suite.QUICK if args.quick else suite.FULL
-        return suite.suite(size, HFTokenizer(args.model))
+        reference = args.scheduling == "kvkeep" and "vllm" in args.modes and not args.endpoint
+        return suite.suite(size, HFTokenizer(args.model), reference)
     built: Sequence[Scenario] = module.build(args)
     return built
 

@@ -33,7 +33,7 @@ from kvkeep.bench.scenario import Needs, Scenario
 from kvkeep.bench.scenarios.agents import AgentsScenario
 from kvkeep.bench.scenarios.capacity import CapacityScenario, CapacitySpec
 from kvkeep.bench.scenarios.hol import HOLScenario
-from kvkeep.bench.scenarios.hol import reference as hol_reference
+from kvkeep.bench.scenarios.hol import reference as hol_vllm_defaults
 from kvkeep.bench.scenarios.replay import ReplayScenario
 from kvkeep.bench.scenarios.restart import RestartScenario, RestartSpec
 from kvkeep.bench.scenarios.session import SessionScenario
@@ -225,8 +225,9 @@ def replay_scenario(size: ReplaySize, traces: Path = DEFAULT_TRACES) -> ReplaySc
     return ReplayScenario(spec, num_blocks=size.pool_blocks)
 
 
-def suite(size: Size, counter: TokenCounter) -> list[Scenario]:
-    """`bench all`'s scenarios, in the order they run on one deployment per mode."""
+def suite(size: Size, counter: TokenCounter, hol_reference: bool = True) -> list[Scenario]:
+    """`bench all`'s scenarios, in the order they run on one deployment per mode; with
+    ``hol_reference``, S6 again in mode vllm with vLLM's own scheduling."""
     pool = size.pool_blocks * BLOCK
     cap = CapacitySpec(pool_blocks=size.pool_blocks, doc_tokens=size.capacity_doc_tokens,
                        rounds=size.capacity_rounds)  # fmt: skip
@@ -246,7 +247,8 @@ def suite(size: Size, counter: TokenCounter) -> list[Scenario]:
                                            doc_tokens=size.restart_doc_tokens)))  # fmt: skip
     if size.replay:  # after restart: a deployment of its own either way
         out.append(replay_scenario(size.replay))
-    out.append(hol_reference(1024, size.hol_long))  # last: its own deployment, mode vllm only
+    if hol_reference:  # last: its own deployment, mode vllm only
+        out.append(hol_vllm_defaults(1024, size.hol_long))
     return out
 
 
