@@ -14,7 +14,7 @@ load and the blocks that become full (to save) in a ``StepPlan``.
 
 Worker side: a load is ACQUIRE (pins) → verify the checksum → copy each block (all layers)
 into the allocated blocks → RELEASE. Small hits load synchronously, before the forward. A
-hit of ``load_async_min_blocks`` blocks (by default 32 MiB of them) or more loads
+hit of ``load_async_min_blocks`` blocks (by default 16 MiB of them) or more loads
 asynchronously (``load_async``): vLLM parks the request, the worker copies on a background
 thread while other requests' steps run, and ``get_finished`` reports the request when its
 blocks are in (:mod:`kvkeep.vllm.loader`).

@@ -46,15 +46,17 @@ from kvkeep.keys import BlockKey, Namespace, chain_keys
 
 # --- configuration ------------------------------------------------------------------------
 
-LOAD_ASYNC_MIN_BYTES = 32 << 20
+LOAD_ASYNC_MIN_BYTES = 16 << 20
 """Where a synchronous load starts to cost the other running requests more than an
 asynchronous one costs its own request (one extra engine step): the default threshold
 (``load_async_min_blocks`` "auto") is this many bytes of blocks. Measured on 2 cores with the
 tiny model (256 KiB blocks): a decode step takes about 5 ms (``scripts/async_threshold.py``),
 and a synchronous load with batched copies about 0.8 ms for 32 blocks and 4 ms for 128 on an
-idle machine (ACQUIRE, verify, copy, RELEASE), so 32 MiB stalls the others for about a step.
-An asynchronous load costs its own request at least one step, which at 32 blocks was a
-quarter of a cached request's TTFT (S4). Over PCIe with pinned memory 32 MiB is about 1.5 ms.
+idle machine (ACQUIRE, verify, copy, RELEASE), so 16 MiB (64 blocks) stalls the others for
+under half a step. An asynchronous load costs its own request at least one step, which at 32
+blocks was a quarter of a cached request's TTFT (S4). Over PCIe with pinned memory 16 MiB is
+under 1 ms. On CPU a background copy takes the same cores as the forward, so it is not free
+for the others either.
 Set ``load_async_min_blocks`` to a number of blocks, or null for never."""
 
 
