@@ -59,7 +59,7 @@ MAX_AUTO_STAGING_BYTES = 1 << 30  # pinned memory on CUDA: a bigger budget is as
 
 MIN_BUFFERS = 16  # jobs the saver may have in flight before a step's saves are skipped
 LINGER_S = 0.05  # how long the background thread waits for more jobs to store together
-MAX_BATCH_BLOCKS = 256  # blocks stored by one RESERVE/COMMIT pair, at most
+MAX_BATCH_BLOCKS = 64  # blocks stored by one RESERVE/COMMIT pair, at most
 
 
 def staging_shape(step_blocks: int, block_bytes: int, staging_bytes: int | None) -> tuple[int, int]:
