@@ -66,6 +66,8 @@ def test_capacity_counts_a_hybrid_models_pool_blocks(tmp_path: Path) -> None:
     (llama / "config.json").write_text(json.dumps(llama_config(TinyModelSpec())))
     plain = CapacitySpec(pool_blocks=64, k=4, doc_tokens=1024, rounds=2).for_model(llama)
     assert (plain.doc_blocks, plain.num_docs) == (8, 32)  # as without a model
+    unknown = CapacitySpec(pool_blocks=64, k=4, doc_tokens=1024, rounds=2)
+    assert unknown.for_model(tmp_path / "none") == unknown  # an --endpoint run's
 
 
 @pytest.mark.parametrize(

@@ -68,8 +68,11 @@ class CapacitySpec:
 
     def for_model(self, model: Path) -> CapacitySpec:
         """This spec with the blocks vLLM holds per document and per query for the model in
-        directory ``model`` (its hybrid KV cache groups counted). Raises ValueError naming
+        directory ``model`` (its hybrid KV cache groups counted); unchanged when ``model``
+        has no config.json (an ``--endpoint`` run may name none). Raises ValueError naming
         the config when its shape cannot be read."""
+        if not (model / "config.json").is_file():
+            return self
         fp = footprint_from_file(model / "config.json")
         doc = request_blocks(fp, self.doc_tokens, self.block_size)
         query = request_blocks(fp, self.doc_tokens + QUESTION_TOKENS, self.block_size)
