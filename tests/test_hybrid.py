@@ -57,9 +57,23 @@ from kvkeep.model import TinyModelSpec, llama_config
             },
             "layer_types has 3 of 4 layers of type linear_attention",
         ),
+        # huggingface.co/MiniMaxAI/MiniMax-Text-01/blob/main/config.json (abridged)
+        (
+            {"model_type": "minimax_text_01", "attn_type_list": [0] * 7 + [1]},
+            "attn_type_list has 7 of 8 linear-attention layers",
+        ),
         ({"model_type": "mamba2"}, "model_type 'mamba2'"),
     ],
-    ids=["granite-4-h", "nemotron-h", "qwen3-next", "jamba", "lfm2", "qwen3.5", "mamba2"],
+    ids=[
+        "granite-4-h",
+        "nemotron-h",
+        "qwen3-next",
+        "jamba",
+        "lfm2",
+        "qwen3.5",
+        "minimax",
+        "mamba2",
+    ],
 )
 def test_published_state_layer_configs_are_found(config: dict[str, Any], evidence: str) -> None:
     found = state_layers(config)
@@ -84,8 +98,9 @@ def test_published_state_layer_configs_are_found(config: dict[str, Any], evidenc
             "text_config": {"sliding_window": 1024, "sliding_window_pattern": 6},
         },
         transformers.Gemma3TextConfig(num_hidden_layers=6).to_dict(),
+        {"model_type": "softmax_only", "attn_type_list": [1] * 8},  # MiniMax's list, no 0
     ],
-    ids=["tiny-llama", "gpt-oss", "gemma-3", "gemma-3-transformers"],
+    ids=["tiny-llama", "gpt-oss", "gemma-3", "gemma-3-transformers", "softmax-list"],
 )
 def test_attention_only_models_are_not_flagged(config: dict[str, Any]) -> None:
     assert state_layers(config) is None

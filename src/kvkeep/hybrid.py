@@ -36,7 +36,7 @@ ATTENTION_TYPES = frozenset(
 )
 # Entries of a layer list that hold no KV at all (Nemotron-H's MLP and MoE layers).
 STATELESS_TYPES = frozenset({"mlp", "moe", "ffn", "-"})
-STATE_KEYS = ("ssm_state_size", "linear_num_value_heads", "linear_attn_config", "attn_type_list")
+STATE_KEYS = ("ssm_state_size", "linear_num_value_heads", "linear_attn_config")
 STATE_MODEL_TYPES = frozenset(
     {
         "mamba", "mamba2", "falcon_mamba", "jamba", "bamba", "zamba", "zamba2", "falcon_h1",
@@ -84,6 +84,9 @@ def _layer_list_evidence(cfg: dict[str, Any]) -> str | None:
 
 
 def _key_evidence(cfg: dict[str, Any]) -> str | None:
+    types = cfg.get("attn_type_list")  # MiniMax: 0 is a linear-attention layer, 1 softmax
+    if isinstance(types, list) and 0 in types:
+        return f"attn_type_list has {types.count(0)} of {len(types)} linear-attention layers (0)"
     for key in sorted(cfg):
         if (key.startswith("mamba_") or key in STATE_KEYS) and cfg[key] is not None:
             return f"config key {key!r}"
