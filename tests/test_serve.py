@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -159,3 +160,28 @@ def test_a_vllm_outside_the_supported_versions_is_refused_plainly(
     err = capsys.readouterr().err
     assert "kvkeep serve: vllm 0.33.0 is installed" in err and "Traceback" not in err
     assert main(["m", "--dir", str(tmp_path), "--dry-run", "--skip-vllm-check"]) == 0
+
+
+def test_a_mamba_hybrid_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    """A tiny Granite-4.0-H-style model (3 Mamba-2 layers, 1 attention layer), its config.json
+    written by transformers: the real command exits 2 with kvkeep's reason and the fix, prints
+    no traceback and starts nothing (the dry run would print the commands)."""
+    import transformers
+
+    model = tmp_path / "tiny-granite-4-h"
+    transformers.GraniteMoeHybridConfig(
+        num_hidden_layers=4, layer_types=["mamba"] * 3 + ["attention"], hidden_size=256
+    ).save_pretrained(model)
+    state = tmp_path / "state"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvkeep.cli", "serve", str(model), "--dir", str(state),
+         "--dry-run"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    assert "Traceback" not in proc.stderr
+    assert f"{model} is a 'granitemoehybrid' model with Mamba" in proc.stderr
+    assert "3 of 4 layers of type linear_attention" in proc.stderr  # transformers 5 names
+    assert f"`vllm serve {model}`" in proc.stderr
+    assert not state.exists()

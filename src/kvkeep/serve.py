@@ -32,6 +32,7 @@ from kvkeep.cpu_pool import (
     user_pool_gib,
     weights_bytes,
 )
+from kvkeep.hybrid import config_of, refusal, state_layers
 from kvkeep.installed_vllm import InstalledVLLM, installed_vllm, unsupported
 from kvkeep.units import format_size, parse_size
 
@@ -286,6 +287,7 @@ def main(argv: list[str]) -> int:
         problem = None if args.skip_vllm_check else unsupported(found)
         if problem:
             raise ValueError(problem)
+        check_model(args.model)
         env = engine_env(args.model, cache, found, vllm_args)
     except ValueError as exc:
         print(f"kvkeep serve: {exc}", file=sys.stderr)
@@ -298,6 +300,16 @@ def main(argv: list[str]) -> int:
         print(shlex.join([f"{k}={v}" for k, v in env.items()] + engine))
         return 0
     return _run(cache, engine, env)
+
+
+def check_model(model: str) -> None:
+    """Refuse, before anything starts, a local model whose config.json declares Mamba or
+    linear-attention layers (`kvkeep.hybrid`): raises ValueError naming the model type and
+    what to do. A hub id is left to the connector's own check at engine start-up."""
+    config = config_of(model)
+    found = state_layers(config) if config is not None else None
+    if found is not None:
+        raise ValueError(refusal(found, model))
 
 
 def engine_env(

@@ -1,3 +1,4 @@
+import json
 from pathlib import Path
 
 from kvkeep.bench import metrics, report
@@ -190,3 +191,20 @@ def test_a_failed_scenario_is_reported_and_the_rest_kept(tmp_path: Path) -> None
     assert "| claim | study | none | vllm | kvkeep |" in md, "every mode keeps its column"
     assert "| S5 turns/min, agents > pool | ~8 -> ~60 | 60.0 | 70.0 | 350.0 |" in md
     assert report.errors(doc)[0] == ("session", "vllm", "JSONDecodeError: Unterminated string")
+
+
+def test_the_model_summary_shows_a_sliding_window_models_pattern(tmp_path: Path) -> None:
+    from kvkeep.bench.report.environment import model_summary
+
+    layer_types = ["sliding_attention"] * 5 + ["full_attention"]
+    config = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+              "num_hidden_layers": 6, "sliding_window": 512, "layer_types": layer_types,
+              "dtype": "bfloat16", "rope_theta": 10000.0}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    summary = model_summary(tmp_path)
+    assert summary["sliding_window"] == 512 and summary["layer_types"] == layer_types
+    assert summary["dtype"] == "bfloat16" and "rope_theta" not in summary
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "gemma3", "text_config": config})
+    )
+    assert model_summary(tmp_path)["sliding_window"] == 512  # multimodal: the text model's

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ from kvkeep.bench.prompts import Queried
 from kvkeep.bench.result import to_json
 from kvkeep.bench.scenarios.capacity import CapacitySpec
 from kvkeep.bench.scenarios.restart import summarize
+from kvkeep.model import TinyModelSpec, llama_config
 
 
 def test_cacheable_tokens_never_include_the_last_token() -> None:
@@ -44,6 +47,27 @@ def test_capacity_documents_total_k_times_the_pool() -> None:
     assert sum(len(d) for d in docs) == 4 * 64 * 128
     assert len({tuple(d[:8]) for d in docs}) == len(docs)  # no two documents share a prefix
     assert spec.documents() == docs  # deterministic
+
+
+def test_capacity_counts_a_hybrid_models_pool_blocks(tmp_path: Path) -> None:
+    """Gemma-3 style (5 sliding layers of 512 tokens, 1 full): a 1024-token document holds 8
+    blocks of the full group and 5 of each sliding group, 33 of the pool, not 8."""
+    config = {"num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 64, "sliding_window": 512,
+              "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec = CapacitySpec(pool_blocks=64, k=4, doc_tokens=1024, rounds=2).for_model(tmp_path)
+    assert (spec.doc_blocks, spec.num_docs) == (8 + 5 * 5, 8)  # ceil(4 * 64 / 33)
+    spec.validate()
+    with pytest.raises(ValueError, match="holds 34 blocks of the 32"):  # and its question
+        replace(spec, pool_blocks=32).validate()
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps(llama_config(TinyModelSpec())))
+    plain = CapacitySpec(pool_blocks=64, k=4, doc_tokens=1024, rounds=2).for_model(llama)
+    assert (plain.doc_blocks, plain.num_docs) == (8, 32)  # as without a model
+    unknown = CapacitySpec(pool_blocks=64, k=4, doc_tokens=1024, rounds=2)
+    assert unknown.for_model(tmp_path / "none") == unknown  # an --endpoint run's
 
 
 @pytest.mark.parametrize(

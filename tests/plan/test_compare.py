@@ -124,3 +124,21 @@ def test_a_replay_is_predicted_within_3_points(
     moved.write_text(json.dumps(doc))
     with pytest.raises(TraceError, match=r"trace_9999\.json\.gz is missing"):
         compare(moved, CompareConfig(model_dir=tiny_model))
+
+
+def test_a_sliding_window_model_fits_more_documents_in_the_same_ram(tmp_path: Path) -> None:
+    """The capacity cycle needs about 500 blocks of RAM. Gemma-3 style with the tiny model's
+    layer shape (512 B per token and layer): the full layer stores 512 B/token, the 3 sliding
+    layers at most 512 + 128 tokens of each 2064-token prompt, 476 B/token; so a block is
+    about 124 KiB. 100 MiB hold the cycle (all 4 layers, 256 KiB blocks, would not); 48 MiB
+    do not (the full layer alone, 64 KiB blocks, would)."""
+    model = tmp_path / "gemma3-style"
+    model.mkdir()
+    config = {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 64, "sliding_window": 512, "dtype": "bfloat16",
+              "layer_types": ["sliding_attention"] * 3 + ["full_attention"]}  # fmt: skip
+    (model / "config.json").write_text(json.dumps(config))
+    for ram_mib, predicted in ((100, 1.0), (48, 0.0)):
+        cfg = CompareConfig(model_dir=model, ram_bytes=ram_mib * 2**20, disk_bytes=0)
+        rows = rows_by_key(compare(capacity_only(tmp_path), cfg).rows)
+        assert rows["capacity", "kvkeep", "total"].predicted == predicted, ram_mib

@@ -74,3 +74,100 @@ def test_missing_key_names_it(tmp_path: Path) -> None:
 def test_unknown_dtype_says_what_to_pass() -> None:
     with pytest.raises(ValueError, match="--kv-dtype"):
         resolve_model("llama-3.1-8b", "int3")
+
+
+# --- sliding windows: what kvkeep stores per token -------------------------------------------
+
+GEMMA3_TINY = {  # the Gemma-3-style test model: 5 sliding layers of 512 tokens, then 1 full
+    "model_type": "gemma3_text",
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "hidden_size": 256,
+    "sliding_window": 512,
+    "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+    "dtype": "bfloat16",
+}
+
+
+def _write(tmp_path: Path, config: dict[str, object]) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_a_sliding_layer_stores_its_window_and_one_block_per_prefix(tmp_path: Path) -> None:
+    fp = resolve_model(str(_write(tmp_path, GEMMA3_TINY)))
+    layer = 2 * 2 * 64 * 2  # K and V, 2 heads of 64, bf16: 512 B per token and layer
+    assert (fp.full_layers, fp.window_layers, fp.layer_bytes_per_token) == (1, 5, layer)
+    split = fp.split(8192, block_tokens=128)
+    assert split.full == layer  # the full layer keeps every token
+    assert split.sliding == 5 * layer * (512 + 128) / 8192  # window + one block, of 8192
+    # the acceptance bound: the window share of the full figure plus one block per layer
+    assert split.total * 8192 == layer * 8192 + 5 * layer * (512 + 128)
+    assert split.total / (6 * layer) == pytest.approx(0.2318, abs=1e-4)
+    assert fp.split(512, 128) == (layer, 5 * layer)  # within the window every layer counts
+    assert fp.bytes_per_token(8192, 128) == split.total
+
+
+def test_the_pattern_form_of_gemma3_gives_the_same_layers(tmp_path: Path) -> None:
+    cfg = {k: v for k, v in GEMMA3_TINY.items() if k != "layer_types"}
+    fp = resolve_model(str(_write(tmp_path, {**cfg, "sliding_window_pattern": 6})))
+    assert (fp.full_layers, fp.window_layers) == (1, 5)
+
+
+def test_gemma3_27b_from_its_published_config(tmp_path: Path) -> None:
+    # https://huggingface.co/google/gemma-3-27b-it/blob/main/config.json: the KV fields of
+    # text_config (62 layers, 16 KV heads of 128, window 1024, every 6th layer global) and the
+    # top-level torch_dtype
+    config = {
+        "model_type": "gemma3",
+        "text_config": {
+            "model_type": "gemma3_text",
+            "head_dim": 128,
+            "hidden_size": 5376,
+            "num_attention_heads": 32,
+            "num_hidden_layers": 62,
+            "num_key_value_heads": 16,
+            "sliding_window": 1024,
+            "sliding_window_pattern": 6,
+        },
+        "torch_dtype": "bfloat16",
+    }
+    fp = resolve_model(str(_write(tmp_path, config)))
+    layer = 2 * 16 * 128 * 2  # 8 KiB per token and layer
+    assert (fp.full_layers, fp.window_layers, fp.window_tokens) == (10, 52, 1024)
+    split = fp.split(32768, block_tokens=16)  # vLLM's CUDA block size
+    assert split.full == 10 * layer == 81920
+    assert split.sliding == 52 * layer * (1024 + 16) / 32768 == 13520
+    assert split.total / (62 * layer) == pytest.approx(0.1879, abs=1e-4)  # vs all 62 layers
+    assert resolve_model("gemma-3-27b").split(32768, 16) == split  # the preset agrees
+
+
+def test_gpt_oss_alternation_stores_window_plus_block(tmp_path: Path) -> None:
+    fp = resolve_model("gpt-oss-20b")
+    per_layer = 2 * 8 * 64 * 2
+    assert fp.split(4096, 16) == (12 * per_layer, 12 * per_layer * (128 + 16) / 4096)
+
+
+def test_gemma2_alternates_without_saying_so() -> None:
+    # https://huggingface.co/google/gemma-2-9b-it/blob/main/config.json (KV fields)
+    cfg = {"model_type": "gemma2", "num_hidden_layers": 42, "num_attention_heads": 16,
+           "num_key_value_heads": 8, "head_dim": 256, "hidden_size": 3584,
+           "sliding_window": 4096, "torch_dtype": "float32"}  # fmt: skip
+    fp = footprint_from_config(cfg, "gemma-2-9b", "test")
+    assert (fp.full_layers, fp.window_layers, fp.dtype_bytes) == (21, 21, 4)
+
+
+def test_transformers_5_dtype_key_is_read(tmp_path: Path) -> None:
+    fp = resolve_model(str(_write(tmp_path, {**GEMMA3_TINY, "dtype": "float32"})))
+    assert fp.dtype_bytes == 4
+
+
+def test_a_mamba_hybrid_is_refused_naming_its_type(tmp_path: Path) -> None:
+    # https://huggingface.co/Qwen/Qwen3-Next-80B-A3B-Instruct/blob/main/config.json (abridged)
+    config = {"model_type": "qwen3_next", "num_hidden_layers": 48, "num_attention_heads": 16,
+              "num_key_value_heads": 2, "head_dim": 256, "hidden_size": 2048,
+              "full_attention_interval": 4, "linear_num_value_heads": 32}  # fmt: skip
+    with pytest.raises(ValueError, match="'qwen3_next' model with Mamba or linear-attention"):
+        resolve_model(str(_write(tmp_path, config)))

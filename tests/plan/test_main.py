@@ -60,3 +60,27 @@ def test_malformed_trace_names_the_line(tmp_path: Path, capsys: pytest.CaptureFi
     bad.write_text('{"hash_ids": [0], "input_length": 10}\n{"hash_ids": "x"}\n')
     assert main(["--trace", str(bad)]) == 2
     assert "bad.jsonl:2: 'hash_ids' must be a list" in capsys.readouterr().err
+
+
+def test_a_sliding_window_model_shows_its_bytes_split(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Gemma-3 style, 5 sliding layers of 512 tokens and 1 full; prompts of 8192 + 32 tokens."""
+    config = {"model_type": "gemma3_text", "num_hidden_layers": 6, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 64, "hidden_size": 256,
+              "sliding_window": 512, "sliding_window_pattern": 6}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "p.json"
+    argv = ["--tiles", "4", "--doc-tokens", "8192", "--question-tokens", "32",
+            "--model", str(tmp_path), "--ram", "1GiB", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    sliding = 5 * 512 * (512 + 128) / 8224  # 199 B/token: window plus one block of 128
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("model "))
+    assert "711 B/token stored at the mean prompt of 8,224 tokens (23.2% of keeping" in line
+    assert "1 full-attention layers 512 B/token, 5 sliding-window layers 199 B/token" in line
+    footprint = json.loads(out.read_text())["footprint"]
+    assert (footprint["full_bytes_per_token"], footprint["sliding_bytes_per_token"]) == (
+        512,
+        sliding,
+    )
+    assert footprint["block_bytes"] == (512 + sliding) * 128

@@ -43,6 +43,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from kvkeep.plan.footprint import resolve_model
+from kvkeep.plan.pool import request_blocks
 from kvkeep.plan.replay import DEFAULT_TRACES, ReplaySpec, load_replay, replay_trace
 from kvkeep.plan.stackdist import StackDistances, stack_distances
 from kvkeep.plan.tiers import TierSpec, reaches
@@ -152,12 +153,20 @@ class _Context:
     doc: dict[str, Any]
     note: _Notes
 
-    def tiers(self, result: dict[str, Any], device_pool: int, block: int) -> _Tiers:
-        """Device pool less the null block; RAM and disk of the cache server in blocks."""
-        block_bytes = resolve_model(str(self.model_dir)).bytes_per_token() * block
+    def tiers(self, result: dict[str, Any], device_pool: int, trace: BlockTrace) -> _Tiers:
+        """Device pool less the null block; RAM and disk of the cache server; all in the
+        trace's blocks at its mean prompt. A sliding-window model's block costs kvkeep less
+        than every layer's page, and its request holds more of vLLM's pool blocks than it has
+        token blocks (one set per KV cache group, `kvkeep.plan.pool`)."""
+        fp = resolve_model(str(self.model_dir))
+        block, context = trace.block_tokens, max(trace.block_tokens, trace.mean_prompt_tokens())
+        block_bytes = fp.bytes_per_token(context, block) * block
+        tokens = round(context)
+        per_pool_block = -(-tokens // block) / request_blocks(fp, tokens, block)  # 1 if plain
         ram = self._size(self.config.ram_bytes, "cache_ram", BENCH_CACHE_RAM)
         disk = self._size(self.config.disk_bytes, "cache_disk", BENCH_CACHE_DISK)
-        return _Tiers(device_pool - 1, int(ram // block_bytes), int(disk // block_bytes))
+        device = int((device_pool - 1) * per_pool_block)
+        return _Tiers(device, int(ram // block_bytes), int(disk // block_bytes))
 
     def _size(self, given: int | None, key: str, default: str) -> int:
         """Bytes of a cache-server tier: given, recorded in ``setup``, or the bench default."""
@@ -177,7 +186,7 @@ def _capacity(name: str, modes: dict[str, Any], ctx: _Context) -> list[Row]:
     sd = stack_distances(trace)
     measured = slice(spec.documents, None)  # round 0 warms up
     rate = _cacheable_rate(sd, trace, measured)
-    tiers = ctx.tiers(first, first["pool_blocks"], block)
+    tiers = ctx.tiers(first, first["pool_blocks"], trace)
     return _rows(name, modes, tiers, rate)
 
 
@@ -203,7 +212,7 @@ def _agents(name: str, modes: dict[str, Any], ctx: _Context) -> list[Row]:
     sd = stack_distances(trace)
     pool_tokens = first["working_set_tokens"] / first["working_set_over_pool"]
     pool = ctx.note.get(first, "pool_blocks", round(pool_tokens / block), "working set / ratio")
-    return _rows(name, modes, ctx.tiers(first, pool, block), sd.token_hit_rate)
+    return _rows(name, modes, ctx.tiers(first, pool, trace), sd.token_hit_rate)
 
 
 def _session_spec(result: dict[str, Any], note: _Notes) -> SessionSpec:
@@ -247,7 +256,7 @@ def _replay(name: str, modes: dict[str, Any], ctx: _Context) -> list[Row]:
             raise ValueError(f"{name}: mode {mode} records no device pool; run the replay "
                              "with --num-blocks so the planner knows it")  # fmt: skip
         trace = replay_trace(replay, [(int(s), int(i)) for s, i in result["order"]])
-        tiers = ctx.tiers(result, result["pool_blocks"], trace.block_tokens)
+        tiers = ctx.tiers(result, result["pool_blocks"], trace)
         rows += _rows(name, {mode: result}, tiers, stack_distances(trace).token_hit_rate)
     return rows
 

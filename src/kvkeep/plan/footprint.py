@@ -2,14 +2,19 @@
 
 Per token and per attention layer a model stores K and V: ``2 * kv_heads * head_dim`` values
 of the KV dtype (MLA models store one latent of ``kv_lora_rank + qk_rope_head_dim`` values
-instead). Sliding-window layers keep only the last ``window`` tokens, so over a context of
-``L`` tokens they cost ``min(L, window) / L`` of a full layer per token: the average bytes per
-token therefore depend on the context length, and :meth:`KVFootprint.bytes_per_token` takes it.
+instead). Sliding-window layers keep only the last ``window`` tokens. vLLM's hybrid KV cache
+manager keeps, and kvkeep stores, a sliding layer's blocks only as far back as the window
+reaches before a request's prefix ends: at most ``window + block`` tokens (the window's first
+block may start mid-window). Over a prefix of ``L`` tokens a sliding layer therefore costs
+``min(L, window + block) / L`` of a full layer per token, so the average bytes per token
+depend on the context length and the block size, and :meth:`KVFootprint.split` takes both.
 
 Which layers slide is read the way each family writes it: ``layer_types`` (gpt-oss, newer
 Gemma/Qwen configs), ``sliding_window_pattern`` (Gemma 3: every N-th layer is global),
 ``use_sliding_window`` + ``max_window_layers`` (Qwen2), or ``sliding_window`` alone (Mistral
-7B v0.1: every layer slides).
+7B v0.1: every layer slides); Gemma 2's published configs say none of these, and its layers
+alternate. Models with Mamba or linear-attention layers are refused (`kvkeep.hybrid`): kvkeep
+cannot store their state, so no figure here would describe what it keeps.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
+
+from kvkeep.hybrid import refusal, state_layers
 
 DTYPE_BYTES = {
     "float32": 4,
@@ -60,13 +67,19 @@ class KVFootprint:
     def full_layers(self) -> int:
         return self.layers - self.window_layers
 
-    def bytes_per_token(self, context_tokens: float | None = None) -> float:
-        """Average KV bytes per token over a context of ``context_tokens`` (None: unbounded)."""
-        full = self.full_layers * self.layer_bytes_per_token
+    def split(self, context_tokens: float | None = None, block_tokens: int = 0) -> TokenBytes:
+        """Average stored KV bytes per token over a prefix of ``context_tokens`` (None:
+        unbounded, where sliding layers add nothing), split by layer kind. A sliding layer
+        keeps ``min(context, window + block_tokens)`` tokens of the prefix. Pure."""
+        full = float(self.full_layers * self.layer_bytes_per_token)
         if not self.window_layers or context_tokens is None or context_tokens <= 0:
-            return float(full)
-        share = min(1.0, self.window_tokens / context_tokens)
-        return full + self.window_layers * self.layer_bytes_per_token * share
+            return TokenBytes(full, 0.0)
+        share = min(1.0, (self.window_tokens + block_tokens) / context_tokens)
+        return TokenBytes(full, self.window_layers * self.layer_bytes_per_token * share)
+
+    def bytes_per_token(self, context_tokens: float | None = None, block_tokens: int = 0) -> float:
+        """``split(context_tokens, block_tokens)``, full and sliding layers together."""
+        return self.split(context_tokens, block_tokens).total
 
     def describe(self) -> str:
         """One line with the numbers and their source."""
@@ -80,6 +93,17 @@ class KVFootprint:
                 f"{self.full_layers * self.layer_bytes_per_token} B/token beyond the window)"
             )
         return f"{text}; source: {self.source}"
+
+
+class TokenBytes(NamedTuple):
+    """Stored KV bytes per token of a prefix: full-attention and sliding-window layers."""
+
+    full: float
+    sliding: float
+
+    @property
+    def total(self) -> float:
+        return self.full + self.sliding
 
 
 def _hf(repo: str, **config: Any) -> tuple[dict[str, Any], str]:
@@ -246,14 +270,17 @@ def footprint_from_config(
     config: dict[str, Any], name: str, source: str, kv_dtype: str | None = None
 ) -> KVFootprint:
     """The footprint of a HF config dict (multimodal configs: their ``text_config``)."""
+    found = state_layers(config)
+    if found is not None:
+        raise ValueError(refusal(found, name))
     cfg = config.get("text_config") or config
     layers = _int(cfg, "num_hidden_layers", source)
-    window, sliding = _sliding(cfg, layers)
+    window, sliding = _sliding(cfg, layers, str(config.get("model_type") or ""))
     return KVFootprint(
         name=name,
         layers=layers,
         values_per_layer=_values_per_layer(cfg, source),
-        dtype_bytes=_dtype_bytes(kv_dtype or cfg.get("torch_dtype") or config.get("torch_dtype")),
+        dtype_bytes=_dtype_bytes(kv_dtype or _dtype(cfg) or _dtype(config)),
         window_layers=sliding,
         window_tokens=window,
         source=source,
@@ -270,7 +297,12 @@ def _values_per_layer(cfg: dict[str, Any], source: str) -> int:
     return 2 * kv_heads * int(head_dim)
 
 
-def _sliding(cfg: dict[str, Any], layers: int) -> tuple[int, int]:
+def _dtype(cfg: dict[str, Any]) -> object:
+    """The weights' dtype: ``torch_dtype``, or ``dtype`` as transformers 5 writes it."""
+    return cfg.get("torch_dtype") or cfg.get("dtype")
+
+
+def _sliding(cfg: dict[str, Any], layers: int, model_type: str = "") -> tuple[int, int]:
     """(window tokens, number of sliding-window layers); (0, 0) when no layer slides."""
     window = cfg.get("sliding_window")
     if not window or cfg.get("use_sliding_window") is False:
@@ -279,6 +311,8 @@ def _sliding(cfg: dict[str, Any], layers: int) -> tuple[int, int]:
         return int(window), sum(t == "sliding_attention" for t in cfg["layer_types"])
     if cfg.get("sliding_window_pattern"):
         return int(window), layers - layers // int(cfg["sliding_window_pattern"])
+    if (cfg.get("model_type") or model_type) == "gemma2":
+        return int(window), (layers + 1) // 2  # layers 0, 2, 4, ... slide
     if cfg.get("use_sliding_window") and cfg.get("max_window_layers") is not None:
         return int(window), max(0, layers - int(cfg["max_window_layers"]))
     return int(window), layers

@@ -20,7 +20,7 @@ from kvkeep.plan import compare
 from kvkeep.plan.claude_code import TRACE_BLOCK_TOKENS, Arrival, is_claude_code, read_claude_code
 from kvkeep.plan.cost import PrefillModel, Workload, calibrate, estimate, load_verdict
 from kvkeep.plan.footprint import KVFootprint, resolve_model
-from kvkeep.plan.report import Findings, plot, recommend, to_json
+from kvkeep.plan.report import Findings, plot, recommend, stored_bytes_per_token, to_json
 from kvkeep.plan.stackdist import stack_distances
 from kvkeep.plan.tiers import TierSpec, tier_hits
 from kvkeep.plan.trace import BlockTrace, TraceError, read_trace
@@ -178,7 +178,7 @@ def analyse(args: argparse.Namespace) -> Findings:
     trace = load_trace(args)
     sd = stack_distances(trace)
     footprint = resolve_model(args.model, args.kv_dtype) if args.model else None
-    per_token = footprint.bytes_per_token(trace.mean_prompt_tokens()) if footprint else None
+    per_token = stored_bytes_per_token(footprint, trace) if footprint else None
     tiers = tier_specs(args, per_token * trace.block_tokens if per_token else None)
     prefill = prefill_model(args)
     estimates, verdicts = _costs(args, trace, sd, tiers, footprint, prefill)
@@ -200,7 +200,7 @@ def _costs(
     if prefill is None:
         return [], []
     context = trace.mean_prompt_tokens()
-    per_token = footprint.bytes_per_token(context) if footprint else 0.0
+    per_token = stored_bytes_per_token(footprint, trace) if footprint else 0.0
     workload = Workload(args.agents, args.tool_delay, args.decode_s_per_token)
     names = ["no cache", *("+".join(t.name for t in tiers[: i + 1]) for i in range(len(tiers)))]
     estimates = [

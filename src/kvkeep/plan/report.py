@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from kvkeep.plan.cost import Estimate, LoadVerdict, PrefillModel
-from kvkeep.plan.footprint import KVFootprint
+from kvkeep.plan.footprint import KVFootprint, TokenBytes
 from kvkeep.plan.stackdist import COLD, StackDistances
 from kvkeep.plan.tiers import TierHits, TierSpec
 from kvkeep.plan.trace import BlockTrace
@@ -42,8 +42,7 @@ class Findings:
         """KV bytes of one block at the workload's mean prompt length (None: no model)."""
         if self.footprint is None:
             return None
-        per_token = self.footprint.bytes_per_token(self.trace.mean_prompt_tokens())
-        return per_token * self.trace.block_tokens
+        return stored_bytes_per_token(self.footprint, self.trace) * self.trace.block_tokens
 
     def blocks_for(self, fraction_of_ceiling: float) -> int:
         """Smallest capacity whose hit rate reaches ``fraction_of_ceiling`` of the ceiling."""
@@ -58,6 +57,15 @@ class Findings:
         if self.block_bytes is None:
             return f"{blocks:,} blocks"
         return f"{format_size(blocks * self.block_bytes)} ({blocks:,} blocks)"
+
+
+def stored_split(footprint: KVFootprint, trace: BlockTrace) -> TokenBytes:
+    """Stored KV bytes per token at the workload's mean prompt and block size, by layer kind."""
+    return footprint.split(trace.mean_prompt_tokens(), trace.block_tokens)
+
+
+def stored_bytes_per_token(footprint: KVFootprint, trace: BlockTrace) -> float:
+    return stored_split(footprint, trace).total
 
 
 def to_json(f: Findings, lines: list[str], elapsed_s: float) -> dict[str, Any]:
@@ -93,9 +101,12 @@ def to_json(f: Findings, lines: list[str], elapsed_s: float) -> dict[str, Any]:
 def _footprint_json(f: Findings) -> dict[str, Any] | None:
     if f.footprint is None:
         return None
+    split = stored_split(f.footprint, f.trace)
     return {
         **vars(f.footprint),
-        "bytes_per_token": f.footprint.bytes_per_token(f.trace.mean_prompt_tokens()),
+        "bytes_per_token": split.total,
+        "full_bytes_per_token": split.full,
+        "sliding_bytes_per_token": split.sliding,
         "block_bytes": f.block_bytes,
         "describe": f.footprint.describe(),
     }
@@ -109,12 +120,33 @@ def recommend(f: Findings) -> list[str]:
         f"working set {f.size(f.sd.distinct_blocks)}; an unbounded cache hits "
         f"{ceiling:.1%} (the ceiling), {ENOUGH:.0%} of it needs {f.size(f.blocks_for(ENOUGH))}"
     ]
+    lines += _model_line(f)
     lines += [_tier_line(f, hits, ceiling) for hits in f.tier_hits]
     lines += _advice(f, ceiling)
     lines += _agents_line(f)
     lines += [_verdict_line(v) for v in f.verdicts]
     lines += [_estimate_line(e) for e in f.estimates]
     return lines
+
+
+def _model_line(f: Findings) -> list[str]:
+    """Stored bytes per token and, for a sliding-window model, what each layer kind adds."""
+    if f.footprint is None:
+        return []
+    fp, split = f.footprint, stored_split(f.footprint, f.trace)
+    text = (
+        f"model {fp.name}: {format_size(split.total)}/token stored at the mean prompt of "
+        f"{f.trace.mean_prompt_tokens():,.0f} tokens"
+    )
+    if fp.window_layers:
+        every = fp.layers * fp.layer_bytes_per_token
+        text += (
+            f" ({split.total / every:.1%} of keeping every layer): {fp.full_layers} "
+            f"full-attention layers {format_size(split.full)}/token, {fp.window_layers} "
+            f"sliding-window layers {format_size(split.sliding)}/token (each keeps at most "
+            f"{fp.window_tokens} + {f.trace.block_tokens} tokens of a prefix)"
+        )
+    return [text]
 
 
 def _tier_line(f: Findings, hits: TierHits, ceiling: float) -> str:

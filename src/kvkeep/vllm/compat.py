@@ -242,6 +242,7 @@ def check_supported(vllm_config: Any, kv_cache_config: Any | None) -> None:
             "this model has no KV cache (attention-free), so kvkeep has nothing to keep; "
             + _INSTEAD
         )
+    _check_state_groups(vllm_config, groups)
     if len(groups) > 1:
         kinds = ", ".join(
             f"{type(g.kv_cache_spec).__name__} ({len(g.layer_names)} layers)" for g in groups
@@ -254,6 +255,37 @@ def check_supported(vllm_config: Any, kv_cache_config: Any | None) -> None:
     problem = _spec_problem(groups[0].kv_cache_spec)
     if problem is not None:
         raise UnsupportedConfig(f"KV cache group 0: {problem}; {_INSTEAD}")
+
+
+def _check_state_groups(vllm_config: Any, groups: Sequence[Any]) -> None:
+    """Refuse any KV cache group that holds state rather than attention KV: Mamba (SSM),
+    linear attention (gated DeltaNet, MiniMax) and short convolutions, all a ``MambaSpec`` in
+    vLLM 0.32 (whose ``UniformTypeKVCacheSpecs`` merges attention layers only). vLLM only
+    builds such groups with its hybrid KV cache manager on, so this fires once kvkeep declares
+    ``SupportsHMA``; it runs before any other group check so that the message names the real
+    problem."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    state = [g for g in groups if isinstance(g.kv_cache_spec, MambaSpec)]
+    if not state:
+        return
+    layers = sum(len(g.layer_names) for g in state)
+    kinds = ", ".join(sorted({type(g.kv_cache_spec).__name__ for g in state}))
+    raise UnsupportedConfig(
+        f"this {model_type(vllm_config)!r} model has {layers} Mamba or linear-attention "
+        f"layers ({kinds}, in {len(state)} of {len(groups)} KV cache groups): each keeps one "
+        "state that sums up the whole prefix, not KV per token, and this kvkeep stores "
+        "attention KV blocks only, so it cannot restore that state. Serve the model with "
+        "vLLM alone (its own prefix cache keeps Mamba state in the 'align' mamba cache mode), "
+        f"i.e. {_INSTEAD}"
+    )
+
+
+def model_type(vllm_config: Any) -> str:
+    """The HF ``model_type`` of the engine's model ("unknown" when there is no model
+    config, as in a test's stand-in)."""
+    hf_config = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
+    return str(getattr(hf_config, "model_type", None) or "unknown")
 
 
 def _check_parallel(parallel: Any) -> None:

@@ -72,9 +72,14 @@ def model_summary(model: Path) -> dict[str, Any]:
         cfg = json.loads((model / "config.json").read_text())
     except (OSError, ValueError):
         return {"path": str(model)}
-    keys = ("architectures", "num_hidden_layers", "hidden_size", "num_attention_heads",
-            "num_key_value_heads", "head_dim", "vocab_size", "torch_dtype")  # fmt: skip
-    return {"path": str(model), **{k: cfg[k] for k in keys if k in cfg}}
+    keys = ("architectures", "model_type", "num_hidden_layers", "hidden_size",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "torch_dtype",
+            "dtype", "sliding_window", "sliding_window_pattern", "layer_types")  # fmt: skip
+    text = cfg.get("text_config") or {}  # a multimodal config's text model
+    return {
+        "path": str(model),
+        **{k: text.get(k, cfg.get(k)) for k in keys if k in cfg or k in text},
+    }
 
 
 def markdown(env: dict[str, Any]) -> str:

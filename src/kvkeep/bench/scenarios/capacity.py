@@ -8,6 +8,10 @@ offload there, kvkeep's RAM and disk here) brings the hits back.
 
 The first round only fills the caches and is not measured. Documents are whole blocks long,
 so a perfect cache serves every document token (`cacheable_tokens`).
+
+"k times the pool" counts pool blocks, as vLLM holds them for the model: a sliding-window
+model's document holds fewer tokens' worth of blocks per group but one set per KV cache
+group (`kvkeep.plan.pool`), so the number of documents comes from the model's config.json.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ import argparse
 import math
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -25,12 +30,16 @@ from kvkeep.bench.metrics import HitRates, Probe, mean_rates
 from kvkeep.bench.prompts import documents, query
 from kvkeep.bench.result import FLAT
 from kvkeep.bench.scenario import Needs
+from kvkeep.plan.footprint import footprint_from_file
+from kvkeep.plan.pool import request_blocks
 from kvkeep.workload import QUESTION_TOKENS
 
 
 @dataclass(frozen=True)
 class CapacitySpec:
-    """`pool_blocks` is the device pool; documents total `k` times it."""
+    """`pool_blocks` is the device pool; documents total `k` times it. ``doc_blocks`` and
+    ``query_blocks``: pool blocks a document and a query (document and question) hold, from
+    the model (`for_model`); None counts one block per ``block_size`` tokens."""
 
     pool_blocks: int = 256
     k: float = 4.0
@@ -38,20 +47,41 @@ class CapacitySpec:
     rounds: int = 3
     block_size: int = 128
     seed: int = 0
+    doc_blocks: int | None = None
+    query_blocks: int | None = None
 
     def validate(self) -> None:
         if self.rounds < 2:
             raise ValueError("--rounds must be at least 2: the first round only warms up")
         if self.doc_tokens % self.block_size:
             raise ValueError(f"--doc-tokens must be a multiple of the block size {self.block_size}")
-        if self.doc_tokens + QUESTION_TOKENS > self.pool_blocks * self.block_size:
-            raise ValueError("--doc-tokens must fit in the device pool (--pool-blocks)")
+        query = self.query_blocks or math.ceil(
+            (self.doc_tokens + QUESTION_TOKENS) / self.block_size
+        )
+        if query > self.pool_blocks:
+            raise ValueError(
+                f"--doc-tokens must fit in the device pool: a query holds {query} blocks of "
+                f"the {self.pool_blocks} in --pool-blocks"
+            )
         if self.k <= 0:
             raise ValueError("-k must be positive")
 
+    def for_model(self, model: Path) -> CapacitySpec:
+        """This spec with the blocks vLLM holds per document and per query for the model in
+        directory ``model`` (its hybrid KV cache groups counted); unchanged when ``model``
+        has no config.json (an ``--endpoint`` run may name none). Raises ValueError naming
+        the config when its shape cannot be read."""
+        if not (model / "config.json").is_file():
+            return self
+        fp = footprint_from_file(model / "config.json")
+        doc = request_blocks(fp, self.doc_tokens, self.block_size)
+        query = request_blocks(fp, self.doc_tokens + QUESTION_TOKENS, self.block_size)
+        return replace(self, doc_blocks=doc, query_blocks=query)
+
     @property
     def num_docs(self) -> int:
-        return math.ceil(self.k * self.pool_blocks * self.block_size / self.doc_tokens)
+        doc_blocks = self.doc_blocks or self.doc_tokens // self.block_size
+        return math.ceil(self.k * self.pool_blocks / doc_blocks)
 
     def documents(self) -> list[list[int]]:
         """`num_docs` distinct token-id documents, the same for the same seed."""
@@ -84,6 +114,7 @@ class CapacityResult:
     rounds_measured: int
     question_tokens: int
     block_size: int
+    doc_blocks: int | None  # pool blocks one document holds (vLLM's KV cache groups counted)
 
 
 @dataclass
@@ -96,7 +127,7 @@ class CapacityScenario:
         return Needs(tokens=tokens, num_blocks=self.spec.pool_blocks)
 
     def run(self, ctx: RunContext) -> CapacityResult:
-        spec = self.spec
+        spec = self.spec.for_model(ctx.model)
         spec.validate()
         docs = spec.documents()
         with tqdm(total=len(docs) * spec.rounds, desc="  capacity queries", leave=False) as bar:
@@ -106,6 +137,7 @@ class CapacityScenario:
             mean_rates([(r.rates, r.cacheable_tokens) for r in measured]),
             statistics.fmean(r.ttft_s for r in measured), rounds, len(docs), spec.doc_tokens,
             spec.pool_blocks, spec.k, len(measured), QUESTION_TOKENS, spec.block_size,
+            spec.doc_blocks,
         )  # fmt: skip
 
     def _round(self, probe: Probe, docs: list[list[int]], r: int, bar: tqdm) -> CapacityRound:

@@ -163,7 +163,8 @@ class RemoteRestartScenario:
 
     def run(self, ctx: RunContext) -> RemoteRestartResult:
         docs = self.spec.documents("remote")
-        bytes_per_token = footprint_from_file(ctx.model / "config.json").bytes_per_token()
+        fp = footprint_from_file(ctx.model / "config.json")  # stored: sliding layers' window
+        bytes_per_token = fp.bytes_per_token(self.spec.doc_tokens, self.spec.block_size)
         cold, ram, a_remote = self._host(ctx, docs, wait_sent=True)
         ctx.cache.replace_host()
         ctx.engine.restart()

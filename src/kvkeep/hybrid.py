@@ -1,0 +1,124 @@
+"""Which models carry a recurrent state (Mamba, linear attention) that kvkeep cannot keep.
+
+kvkeep stores attention KV: one entry per token, cut into blocks keyed by the prefix before
+them. A Mamba (SSM), gated-DeltaNet or other linear-attention layer instead keeps one
+fixed-size state per sequence that sums up the whole prefix, and a short-convolution layer
+keeps the last few tokens' inputs. vLLM gives such layers a ``MambaSpec`` KV cache group, which
+this version of kvkeep neither keys nor copies. `kvkeep serve` and `kvkeep plan` read the
+model's config.json and refuse such a model up front, naming it, instead of letting vLLM fail
+deep in start-up (the connector's own check, `kvkeep.vllm.compat`, refuses the spec itself).
+
+A config declares its state layers in one of the ways its family writes them (each seen in
+the published config.json of a model of that family):
+
+- ``layer_types`` with entries other than attention: ``"linear_attention"`` (Qwen3.5),
+  ``"mamba"`` (Granite 4.0-H), ``"conv"`` (LFM2);
+- ``layers_block_type`` (Zamba2, newer Nemotron-H) or ``hybrid_override_pattern`` (Nemotron-H:
+  ``M`` is a Mamba layer);
+- Mamba/SSM or linear-attention hyper-parameters: ``mamba_*``, ``ssm_state_size``,
+  ``linear_num_value_heads`` (Qwen3-Next), ``linear_attn_config`` (Kimi Linear),
+  ``attn_type_list`` (MiniMax-Text-01);
+- the model type itself (``mamba``, ``mamba2``, ``falcon_mamba``, ``jamba``, ...).
+
+Pure functions of the config dict; nothing here imports vllm or touches the network.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from kvkeep import __version__
+
+ATTENTION_TYPES = frozenset(
+    {"full_attention", "sliding_attention", "attention", "chunked_attention"}
+)
+# Entries of a layer list that hold no KV at all (Nemotron-H's MLP and MoE layers).
+STATELESS_TYPES = frozenset({"mlp", "moe", "ffn", "-"})
+STATE_KEYS = ("ssm_state_size", "linear_num_value_heads", "linear_attn_config")
+STATE_MODEL_TYPES = frozenset(
+    {
+        "mamba", "mamba2", "falcon_mamba", "jamba", "bamba", "zamba", "zamba2", "falcon_h1",
+        "nemotron_h", "granitemoehybrid", "qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2",
+        "lfm2_moe", "minimax_text_01", "minimax_m1", "kimi_linear", "plamo2", "rwkv", "rwkv7",
+    }
+)  # fmt: skip
+
+
+class StateLayers(NamedTuple):
+    """A model with recurrent-state layers: its type and what in its config says so."""
+
+    model_type: str
+    evidence: str
+
+
+def state_layers(config: dict[str, Any]) -> StateLayers | None:
+    """The state layers a HF config dict declares (its ``text_config`` too), or None for a
+    model whose every layer is attention. Pure."""
+    model_type = str(config.get("model_type") or "unknown")
+    for cfg in (config, config.get("text_config") or {}):
+        if not isinstance(cfg, dict):
+            continue
+        evidence = _layer_list_evidence(cfg) or _key_evidence(cfg)
+        if evidence:
+            return StateLayers(model_type, evidence)
+    if model_type in STATE_MODEL_TYPES:
+        return StateLayers(model_type, f"model_type {model_type!r}")
+    return None
+
+
+def _layer_list_evidence(cfg: dict[str, Any]) -> str | None:
+    pattern = cfg.get("hybrid_override_pattern")
+    if isinstance(pattern, str) and "M" in pattern:
+        return f"hybrid_override_pattern has {pattern.count('M')} Mamba layers ('M')"
+    for key in ("layer_types", "layers_block_type"):
+        types = cfg.get(key)
+        if not isinstance(types, list):
+            continue
+        state = [str(t) for t in types if str(t) not in ATTENTION_TYPES | STATELESS_TYPES]
+        if state:
+            kinds = ", ".join(sorted(set(state)))
+            return f"{key} has {len(state)} of {len(types)} layers of type {kinds}"
+    return None
+
+
+def _key_evidence(cfg: dict[str, Any]) -> str | None:
+    types = cfg.get("attn_type_list")  # MiniMax: 0 is a linear-attention layer, 1 softmax
+    if isinstance(types, list) and 0 in types:
+        return f"attn_type_list has {types.count(0)} of {len(types)} linear-attention layers (0)"
+    for key in sorted(cfg):
+        if (key.startswith("mamba_") or key in STATE_KEYS) and cfg[key] is not None:
+            return f"config key {key!r}"
+    return None
+
+
+def config_of(model: str) -> dict[str, Any] | None:
+    """A local model's config.json (``model`` a directory or the file itself), else None:
+    a hub id is not looked up (vLLM downloads it; the connector's check still applies)."""
+    path = Path(model)
+    path = path / "config.json" if path.is_dir() else path
+    if path.name != "config.json" or not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # vLLM will say what is wrong with it
+    return config if isinstance(config, dict) else None
+
+
+WHAT_TO_DO = (
+    "serve it with vLLM alone (`vllm serve MODEL`: vLLM's own prefix cache keeps Mamba state, "
+    "in its 'align' mamba cache mode), or use kvkeep with an attention-only model "
+    "(Llama, Qwen2.5/3, Mistral, Gemma 3, gpt-oss style)"
+)
+
+
+def refusal(found: StateLayers, model: str) -> str:
+    """Why kvkeep refuses ``model`` and what to do, in one message. Pure."""
+    return (
+        f"{model} is a {found.model_type!r} model with Mamba or linear-attention layers "
+        f"({found.evidence}). Such a layer keeps one state that sums up the whole prefix, not "
+        f"KV per token, and kvkeep {__version__} stores attention KV blocks only, so it cannot "
+        f"restore that state; {WHAT_TO_DO.replace('MODEL', model)}"
+    )

@@ -1,0 +1,137 @@
+"""Which configs declare Mamba / linear-attention layers: shapes from published config.json
+files (only the fields that matter, source in a comment), and transformers' own configs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import transformers
+
+from kvkeep.hybrid import config_of, refusal, state_layers
+from kvkeep.model import TinyModelSpec, llama_config
+
+
+@pytest.mark.parametrize(
+    ("config", "evidence"),
+    [
+        # huggingface.co/ibm-granite/granite-4.0-h-small/blob/main/config.json
+        (
+            {
+                "model_type": "granitemoehybrid",
+                "layer_types": ["mamba"] * 5 + ["attention"] + ["mamba"] * 4,
+            },
+            "layer_types has 9 of 10 layers of type mamba",
+        ),
+        # huggingface.co/nvidia/NVIDIA-Nemotron-Nano-9B-v2/blob/main/config.json (abridged)
+        (
+            {"model_type": "nemotron_h", "hybrid_override_pattern": "M-M-M*-M-"},
+            "hybrid_override_pattern has 4 Mamba layers",
+        ),
+        # huggingface.co/Qwen/Qwen3-Next-80B-A3B-Instruct/blob/main/config.json
+        (
+            {
+                "model_type": "qwen3_next",
+                "full_attention_interval": 4,
+                "linear_num_value_heads": 32,
+            },
+            "config key 'linear_num_value_heads'",
+        ),
+        # huggingface.co/ai21labs/AI21-Jamba-Mini-1.5/blob/main/config.json
+        (
+            {"model_type": "jamba", "attn_layer_period": 8, "mamba_d_state": 16},
+            "config key 'mamba_d_state'",
+        ),
+        # huggingface.co/LiquidAI/LFM2-1.2B/blob/main/config.json (abridged)
+        (
+            {"model_type": "lfm2", "layer_types": ["conv", "conv", "full_attention"]},
+            "layer_types has 2 of 3 layers of type conv",
+        ),
+        # a multimodal config: the text model's layer types (Qwen3.5 style)
+        (
+            {
+                "model_type": "qwen3_5",
+                "text_config": {"layer_types": ["linear_attention"] * 3 + ["full_attention"]},
+            },
+            "layer_types has 3 of 4 layers of type linear_attention",
+        ),
+        # huggingface.co/MiniMaxAI/MiniMax-Text-01/blob/main/config.json (abridged)
+        (
+            {"model_type": "minimax_text_01", "attn_type_list": [0] * 7 + [1]},
+            "attn_type_list has 7 of 8 linear-attention layers",
+        ),
+        ({"model_type": "mamba2"}, "model_type 'mamba2'"),
+    ],
+    ids=[
+        "granite-4-h",
+        "nemotron-h",
+        "qwen3-next",
+        "jamba",
+        "lfm2",
+        "qwen3.5",
+        "minimax",
+        "mamba2",
+    ],
+)
+def test_published_state_layer_configs_are_found(config: dict[str, Any], evidence: str) -> None:
+    found = state_layers(config)
+    assert found is not None
+    assert found.model_type == config["model_type"]
+    assert evidence in found.evidence
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        llama_config(TinyModelSpec()),
+        # huggingface.co/openai/gpt-oss-20b/blob/main/config.json (abridged)
+        {
+            "model_type": "gpt_oss",
+            "sliding_window": 128,
+            "layer_types": ["sliding_attention", "full_attention"] * 12,
+        },
+        # huggingface.co/google/gemma-3-27b-it/blob/main/config.json (abridged)
+        {
+            "model_type": "gemma3",
+            "text_config": {"sliding_window": 1024, "sliding_window_pattern": 6},
+        },
+        transformers.Gemma3TextConfig(num_hidden_layers=6).to_dict(),
+        {"model_type": "softmax_only", "attn_type_list": [1] * 8},  # MiniMax's list, no 0
+    ],
+    ids=["tiny-llama", "gpt-oss", "gemma-3", "gemma-3-transformers", "softmax-list"],
+)
+def test_attention_only_models_are_not_flagged(config: dict[str, Any]) -> None:
+    assert state_layers(config) is None
+
+
+def test_transformers_hybrid_configs_are_found() -> None:
+    """What `save_pretrained` writes for each family vLLM runs natively."""
+    for cfg in (
+        transformers.GraniteMoeHybridConfig(),
+        transformers.Qwen3NextConfig(),
+        transformers.NemotronHConfig(),
+        transformers.FalconH1Config(),
+        transformers.Zamba2Config(),
+        transformers.JambaConfig(),
+    ):
+        assert state_layers(cfg.to_dict()) is not None, type(cfg).__name__
+
+
+def test_the_refusal_names_the_model_type_and_what_to_do() -> None:
+    found = state_layers({"model_type": "nemotron_h", "hybrid_override_pattern": "M*M"})
+    assert found is not None
+    text = refusal(found, "/models/nano")
+    assert "/models/nano is a 'nemotron_h' model" in text
+    assert "2 Mamba layers" in text
+    assert "`vllm serve /models/nano`" in text
+
+
+def test_config_of_reads_a_local_model_only(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert config_of(str(tmp_path)) == {"model_type": "llama"}
+    assert config_of(str(tmp_path / "config.json")) == {"model_type": "llama"}
+    assert config_of("ibm-granite/granite-4.0-h-small") is None  # a hub id: not looked up
+    (tmp_path / "config.json").write_text("{not json")
+    assert config_of(str(tmp_path)) is None  # vLLM will say what is wrong with it
