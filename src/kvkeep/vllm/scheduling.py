@@ -33,16 +33,19 @@ computed, and the request gets no further claims (``on_loads_finished``).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import threading
-import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from kvkeep.keys import BlockKey, Namespace, chain_keys
+
+# The counters lived here before they had a module; their old names still work.
+from kvkeep.vllm.counters import COUNTER_NAMES as COUNTER_NAMES
+from kvkeep.vllm.counters import PROFILE_NAMES as PROFILE_NAMES
+from kvkeep.vllm.counters import Counters as Counters
+from kvkeep.vllm.counters import timed as timed
 
 # --- configuration ------------------------------------------------------------------------
 
@@ -417,86 +420,3 @@ class RequestBook:
 
     def __len__(self) -> int:
         return len(self._tracked)
-
-
-# --- counters ------------------------------------------------------------------------------
-
-PROFILE_NAMES = (
-    # scheduler: a whole admission answer, its LOOKUP round trip, a whole step plan
-    "match_s",
-    "lookup_rpc_s",
-    "plan_s",
-    # worker, loads (before the forward): ACQUIRE, checksums, copies in, RELEASE
-    "acquire_rpc_s",
-    "verify_s",
-    "copy_in_s",
-    "release_rpc_s",
-    # worker, saves: on the step only the batched copy out into staging rows; the saver's
-    # thread: RESERVE, rows into slots, checksums, COMMIT
-    "copy_out_s",
-    "reserve_rpc_s",
-    "slot_copy_s",
-    "checksum_s",
-    "commit_rpc_s",
-)
-"""Where a kvkeep step's time goes, in seconds (``vllm:kvkeep_seconds_total{op=...}``)."""
-
-COUNTER_NAMES = (
-    "lookups",
-    "lookup_failures",
-    "offered_tokens",
-    "loaded_tokens",
-    "load_failed_tokens",
-    "saved_tokens",
-    "save_failures",
-    "saves_dropped",
-    "saves_skipped_busy",
-    "async_loads",
-    "async_loads_failed",
-    "audit_blocks",
-    "audit_mismatches",
-    "unkeyable_lora",
-    "unkeyable_multimodal",
-    "unkeyable_prompt_embeds",
-    "load_s",
-    "save_s",
-    *PROFILE_NAMES,
-)
-
-
-@contextlib.contextmanager
-def timed(add: Callable[[str, float], object], name: str) -> Iterator[None]:
-    """Call ``add(name, seconds)`` with the block's wall time, also when it raises."""
-    t0 = time.perf_counter()
-    try:
-        yield
-    finally:
-        add(name, time.perf_counter() - t0)
-
-
-@dataclass
-class Counters:
-    """kvkeep's own count of what the connector did; merged across workers by addition.
-    Thread-safe (the commit thread counts too)."""
-
-    values: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COUNTER_NAMES, 0))
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, name: str, amount: float) -> None:
-        with self._lock:
-            self.values[name] = self.values.get(name, 0) + amount
-
-    def merge(self, other: Mapping[str, float]) -> None:
-        for name, amount in other.items():
-            self.add(name, amount)
-
-    def timed(self, name: str) -> contextlib.AbstractContextManager[None]:
-        """Add the block's wall time to ``name`` (seconds), also when it raises."""
-        return timed(self.add, name)
-
-    def take(self) -> dict[str, float] | None:
-        """The non-zero counts since the last take, and reset; None if nothing happened."""
-        with self._lock:
-            data = {k: v for k, v in self.values.items() if v}
-            self.values = dict.fromkeys(COUNTER_NAMES, 0)
-        return data or None
