@@ -305,12 +305,15 @@ def _parser() -> argparse.ArgumentParser:
         t.add_argument(f"--{field.replace('_', '-')}", type=int, default=getattr(d, field))
     t.add_argument("--max-positions", type=int, default=d.max_positions)
     t.add_argument("--seed", type=int, default=d.seed, help="seed of the weights")
-    t.add_argument("--arch", choices=model_arch.ARCHES, default=d.arch,
-                   help="gemma3: sliding-window layers interleaved with full attention")  # fmt: skip
-    t.add_argument("--sliding-window", type=int, default=d.sliding_window,
-                   help="gemma3: the sliding layers' window in tokens")  # fmt: skip
-    t.add_argument("--sliding-pattern", type=int, default=d.sliding_pattern,
-                   help="gemma3: every n-th layer is full attention (6: Gemma 3, 2: gpt-oss)")  # fmt: skip
+    hybrid = {
+        "--arch": "gemma3: sliding-window layers interleaved with full attention",
+        "--sliding-window": "gemma3: the sliding layers' window in tokens",
+        "--sliding-pattern": "gemma3: every n-th layer is full attention (6: Gemma 3, 2: gpt-oss)",
+    }
+    t.add_argument("--arch", choices=model_arch.ARCHES, default=d.arch, help=hybrid["--arch"])
+    for flag in ("--sliding-window", "--sliding-pattern"):
+        field = flag[2:].replace("-", "_")
+        t.add_argument(flag, type=int, default=getattr(d, field), help=hybrid[flag])
     return p
 
 
@@ -336,7 +339,8 @@ def main(argv: list[str]) -> int:
         print(f"kvkeep model tiny: {exc}", file=sys.stderr)
         return 2
     print(
-        f"wrote {args.dir} ({spec.arch}, {spec.layers} layers, {spec.kv_heads} KV heads x {spec.head_dim}, "
+        f"wrote {args.dir} ({spec.arch}, {spec.layers} layers, "
+        f"{spec.kv_heads} KV heads x {spec.head_dim}, "
         f"vocab {spec.vocab}, {spec.kv_bytes_per_token} KV bytes/token in bf16)"
     )
     return 0
