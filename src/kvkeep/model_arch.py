@@ -21,16 +21,26 @@ ARCHES = ("llama", "gemma3")
 class ArchShapes(Protocol):
     """The fields of ``TinyModelSpec`` the architectures read."""
 
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    intermediate: int
-    max_positions: int
-    sliding_window: int
-    sliding_pattern: int
+    @property
+    def layers(self) -> int: ...
+    @property
+    def hidden(self) -> int: ...
+    @property
+    def heads(self) -> int: ...
+    @property
+    def kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def vocab(self) -> int: ...
+    @property
+    def intermediate(self) -> int: ...
+    @property
+    def max_positions(self) -> int: ...
+    @property
+    def sliding_window(self) -> int: ...
+    @property
+    def sliding_pattern(self) -> int: ...
 
 
 @dataclass(frozen=True)

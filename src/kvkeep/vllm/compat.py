@@ -365,3 +365,17 @@ def _spec_problem(spec: Any, hybrid: bool = False) -> str | None:
             "one state per token"
         )
     return None
+
+
+def group_windows(kv_cache_config: Any) -> tuple[int | None, ...]:
+    """Per KV cache group, the sliding window kvkeep keeps blocks for (None: every block).
+    A single group is always kept whole: ``check_supported`` lets only full attention in."""
+    n = num_groups(kv_cache_config)
+    if n == 1:
+        return (None,)
+    return tuple(sliding_window(kv_cache_config, g) for g in range(n))
+
+
+def group_label(role: str, group: int) -> str:
+    """A session label: group 0 keeps the single-group name (``scheduler``, ``worker0``)."""
+    return role if group == 0 else f"{role}/g{group}"

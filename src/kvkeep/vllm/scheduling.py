@@ -215,16 +215,36 @@ class _Tracked:
     keys: list[BlockKey]
     block_ids: list[int] = field(default_factory=list)
     saved: int = 0
+    save_from: int = 0  # a sliding-window group saves no block before this one
 
 
 class RequestBook:
-    """The scheduler side's memory of requests, between vLLM's callbacks. Not thread-safe
-    (vLLM's scheduler is single-threaded)."""
+    """The scheduler side's memory of requests, between vLLM's callbacks, for one KV cache
+    group. Not thread-safe (vLLM's scheduler is single-threaded).
 
-    def __init__(self, namespace: Namespace, load_async_min_blocks: int | None = None) -> None:
+    A sliding-window group (``window`` tokens) keeps, like vLLM's hybrid KV cache manager,
+    only the blocks a hit needs: for a hit of N tokens the blocks from
+    ``window_start(N)`` to N. Its block table holds ``null_block`` elsewhere. It loads only
+    those blocks and saves, of each request, the blocks from the window before its prompt's
+    claimable end on (``save_from``): enough for the same prompt, or one that extends it, to
+    hit after a restart, and about one window per request stored::
+
+        prompt blocks  [0 ........... save_from ......... limit | last)
+        saved          [  never        | window_blocks blocks   | and later ones, when full)
+    """
+
+    def __init__(
+        self,
+        namespace: Namespace,
+        load_async_min_blocks: int | None = None,
+        window: int | None = None,
+        null_block: int = 0,
+    ) -> None:
         self.namespace = namespace
         self.block_size = namespace.block_size
         self.load_async_min_blocks = load_async_min_blocks
+        self.window = window
+        self.null_block = null_block
         self._roots: dict[str | None, BlockKey] = {}
         self._keys: dict[str, tuple[BlockKey, list[BlockKey]]] = {}
         self._matches: dict[str, Match] = {}
@@ -263,6 +283,19 @@ class RequestBook:
             keys += chain_keys(root, tokens[done:], self.block_size, parent=parent)
         return keys
 
+    # windows ------------------------------------------------------------------------------
+
+    def window_start(self, num_tokens: int) -> int:
+        """The first block a hit of ``num_tokens`` tokens needs in this group (0 for full
+        attention). vLLM's rule (``SlidingWindowManager.get_num_skipped_tokens``): the next
+        token attends to the last ``window - 1`` tokens, the ones before are skipped."""
+        if self.window is None:
+            return 0
+        return max(0, num_tokens - self.window + 1) // self.block_size
+
+    def _holds_kv(self, block_id: int) -> bool:
+        return self.window is None or block_id != self.null_block
+
     # admission ----------------------------------------------------------------------------
 
     def cached_match(self, req_id: str, num_computed: int, num_tokens: int) -> Match | None:
@@ -293,10 +326,17 @@ class RequestBook:
         server that is down for the workers only) would cycle it through loads for nothing."""
         return req_id not in self._no_claims
 
-    def on_loads_finished(self, finished: set[str], invalid_block_ids: set[int]) -> set[str]:
+    def on_loads_finished(
+        self,
+        finished: set[str],
+        invalid_block_ids: set[int],
+        failed_requests: frozenset[str] | set[str] = frozenset(),
+    ) -> set[str]:
         """Asynchronous loads vLLM reports ended (``finished_recving``), with the step's failed
-        blocks; the requests among them with a failed block, which get no further claims."""
-        failed = set()
+        blocks and the requests reported failed as a whole (``failed_recving``, the only way
+        with several KV cache groups); the requests among them that failed, which get no
+        further claims."""
+        failed = finished & failed_requests
         for req_id in finished:
             blocks = self._in_flight.pop(req_id, frozenset())
             if blocks & invalid_block_ids:
@@ -333,11 +373,19 @@ class RequestBook:
         external = num_external_tokens // self.block_size
         keys = self.keys_for(req_id, tokens, salt)
         saved = max(local + external, num_computed_tokens // self.block_size)
-        self._tracked[req_id] = _Tracked(self.root_for(salt), keys, list(block_ids), saved)
+        limit = claim_range(len(tokens), 0, self.block_size).limit
+        save_from = self.window_start(limit * self.block_size)
+        tracked = _Tracked(self.root_for(salt), keys, list(block_ids), saved, save_from)
+        self._tracked[req_id] = tracked
         if external == 0:
             return None
-        span = range(local, local + external)
-        blocks = tuple(BlockTransfer(block_ids[i], keys[i]) for i in span)
+        span = range(max(local, self.window_start((local + external) * self.block_size)),
+                     local + external)  # fmt: skip
+        blocks = tuple(
+            BlockTransfer(block_ids[i], keys[i]) for i in span if self._holds_kv(block_ids[i])
+        )
+        if not blocks:
+            return None
         load = RequestLoad(req_id, blocks, self.in_background(external))
         if load.background:
             self._in_flight[req_id] = frozenset(b.block_id for b in blocks)
@@ -394,10 +442,11 @@ class RequestBook:
         if full <= tracked.saved:
             return []
         keys = self.keys_for(req_id, tokens[: full * self.block_size], salt)
-        span = range(tracked.saved, full)
+        span = range(max(tracked.saved, tracked.save_from), full)
         self._planning.setdefault(req_id, tracked.saved)
         tracked.saved = full
-        return [BlockTransfer(tracked.block_ids[i], keys[i]) for i in span]
+        ids = tracked.block_ids
+        return [BlockTransfer(ids[i], keys[i]) for i in span if self._holds_kv(ids[i])]
 
     def take_plan(self, saves: Sequence[BlockTransfer]) -> StepPlan:
         """This step's plan; drains the queued loads (each load is shipped exactly once).
