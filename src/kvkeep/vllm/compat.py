@@ -376,6 +376,11 @@ def group_windows(kv_cache_config: Any) -> tuple[int | None, ...]:
     return tuple(sliding_window(kv_cache_config, g) for g in range(n))
 
 
-def group_label(role: str, group: int) -> str:
-    """A session label: group 0 keeps the single-group name (``scheduler``, ``worker0``)."""
-    return role if group == 0 else f"{role}/g{group}"
+def group_label(role: str, group: int, windows: tuple[int | None, ...]) -> str:
+    """A session label (``namespaces.json`` shows it): a single group keeps the plain name
+    (``scheduler``, ``worker0``); a hybrid's groups are named with their index and kind,
+    e.g. ``worker0/g5/full`` or ``scheduler/g0/swa512``."""
+    if len(windows) == 1:
+        return role
+    window = windows[group]
+    return f"{role}/g{group}/" + ("full" if window is None else f"swa{window}")

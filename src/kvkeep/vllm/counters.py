@@ -38,6 +38,10 @@ COUNTER_NAMES = (
     "loaded_tokens",
     "load_failed_tokens",
     "saved_tokens",
+    # the same for a hybrid's sliding-window groups (block tokens summed over the groups)
+    "window_loaded_tokens",
+    "window_load_failed_tokens",
+    "window_saved_tokens",
     "save_failures",
     "saves_dropped",
     "saves_skipped_busy",

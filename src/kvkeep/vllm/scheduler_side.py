@@ -61,7 +61,7 @@ class SchedulerSide:
             client.session(
                 book.namespace,
                 compat.expected_block_bytes(kv_cache_config, g),
-                label=compat.group_label("scheduler", g),
+                label=compat.group_label("scheduler", g, windows),
             )
             for g, book in enumerate(self.books)
         ]

@@ -35,6 +35,7 @@ from kvkeep.vllm.transfer import Mover
 log = logging.getLogger("vllm.kvkeep")
 SUMMARY_EVERY_S = 10.0
 
+WINDOW_COUNTED = frozenset({"loaded_tokens", "load_failed_tokens", "saved_tokens"})
 AUDIT_DRIFT = 0.1  # largest element difference of two valid copies of a block (audit only)
 
 
@@ -70,6 +71,7 @@ class WorkerSide:
     ) -> None:
         self.vllm_config, self.kv_cache_config = vllm_config, kv_cache_config
         self.group = group
+        self.windows = compat.group_windows(kv_cache_config)
         self.client = client
         self.audit = audit
         self.staging_bytes = staging_bytes
@@ -122,7 +124,7 @@ class WorkerSide:
             ns = plan.namespace
             if self.tp_rank:
                 ns = replace(ns, tp_rank=self.tp_rank)
-            label = compat.group_label(f"worker{self.tp_rank}", self.group)
+            label = compat.group_label(f"worker{self.tp_rank}", self.group, self.windows)
             self._sessions[digest] = self.client.session(ns, self.layout.block_bytes, label)
         return self._sessions[digest]
 
@@ -275,6 +277,8 @@ class WorkerSide:
     # bookkeeping ---------------------------------------------------------------------------
 
     def _count(self, name: str, amount: float) -> None:
+        if self.windows[self.group] is not None and name in WINDOW_COUNTED:
+            name = "window_" + name  # a sliding group's blocks are not the prompt's tokens
         self.counters.add(name, amount)
         self.totals.add(name, amount)
 
