@@ -6,6 +6,7 @@ a stand-in (a real one needs a model), holding vLLM's real ParallelConfig and KV
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -399,3 +400,47 @@ def test_generated_weights_are_refused_at_start_up() -> None:
         check_supported(dummy, cache_config(full()))
     dummy.load_config = SimpleNamespace(load_format="safetensors")
     check_supported(dummy, cache_config(full()))
+
+
+# --- a hybrid's hit rule ----------------------------------------------------------------------
+
+
+class GroupClient(FakeClient):
+    """Holds, per namespace, the keys ``present`` says; LOOKUP answers the leading run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.present: dict[bytes, set[bytes]] = {}
+
+    def lookup(self, session: Any, keys: list[bytes]) -> LookupResult:
+        held = self.present.get(session.digest, set())
+        n = next((i for i, k in enumerate(keys) if k not in held), len(keys))
+        return LookupResult(n, ("ram",) * n)
+
+
+def hybrid_side(monkeypatch: pytest.MonkeyPatch) -> tuple[SchedulerSide, GroupClient]:
+    """Group 0 slides over 2 blocks (window 2 * BS + 1), group 1 is full attention."""
+    spaces = [replace(NS, layout=f"LBHNC/g{g}") for g in range(2)]
+    monkeypatch.setattr(compat, "namespace", lambda vllm_config, kv_cache_config, g=0: spaces[g])
+    monkeypatch.setattr(compat, "expected_block_bytes", lambda kv_cache_config, group=0: 1024)
+    monkeypatch.setattr(compat, "group_windows", lambda kv_cache_config: (2 * BS + 1, None))
+    client = GroupClient()
+    return SchedulerSide(None, None, client), client  # type: ignore[arg-type]
+
+
+def test_a_hybrid_hit_needs_the_full_prefix_and_only_the_sliding_window(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A 6-block prompt (claimable 5 blocks): the full group holds all 5, the sliding group
+    only blocks 3 and 4 (the window before the hit) -> a hit of 5 blocks, loaded in the
+    background. Without the sliding block 3 there is no hit."""
+    scheduler, client = hybrid_side(monkeypatch)
+    req = request(n=6 * BS)
+    swa, full = (b.keys_for(req.request_id, req.all_token_ids, None) for b in scheduler.books)
+    client.present[scheduler.sessions[1].digest] = set(full[:5])
+    client.present[scheduler.sessions[0].digest] = set(swa[3:5])
+    assert scheduler.match(req, 0) == (5 * BS, True)
+    other = request("other", n=6 * BS)
+    client.present[scheduler.sessions[0].digest] = {swa[4]}
+    assert scheduler.match(other, 0) == (0, False)
+    assert swa[0] != full[0], "the groups' keys differ"
