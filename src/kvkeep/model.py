@@ -128,8 +128,19 @@ def model_config(spec: TinyModelSpec) -> dict[str, object]:
 
 
 def _init_name(spec: TinyModelSpec) -> str:
-    norm = model_arch.arch(spec.arch).norm_value
-    return _INIT_NAME if norm == 1.0 else _INIT_NAME.replace("norm=1", f"norm={norm:g}")
+    if spec.arch == "llama":
+        return _INIT_NAME
+    norm, embed = model_arch.arch(spec.arch).norm_value, _embedding_std(spec)
+    return f"normal(embed={embed:g},proj={PROJECTION_STD},norm={norm:g})/pcg64/bf16"
+
+
+def _embedding_std(spec: TinyModelSpec) -> float:
+    """Embeddings enter the residual stream at std 1 in every arch: Gemma multiplies them by
+    sqrt(hidden) and adds each layer's output normed to std 1, so at std 1 its embeddings
+    would drown the attention's signal (and the context would barely change a reply)."""
+    if model_arch.arch(spec.arch).scales_embeddings:
+        return EMBEDDING_STD / float(np.sqrt(spec.hidden))
+    return EMBEDDING_STD
 
 
 def llama_config(spec: TinyModelSpec) -> dict[str, object]:
@@ -175,14 +186,16 @@ def weight_shapes(spec: TinyModelSpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _tensor(name: str, shape: tuple[int, ...], seed: int, norm: float = 1.0) -> np.ndarray:
+def _tensor(
+    name: str, shape: tuple[int, ...], seed: int, norm: float = 1.0, embed: float = EMBEDDING_STD
+) -> np.ndarray:
     """One tensor's values as bf16 bit patterns (uint16). Norms are ``norm`` (the arch's unit
     scale); embeddings and projections are normal, each from a generator keyed by
     (seed, crc32(name))."""
     if name.endswith("norm.weight"):
         values = np.full(shape, norm, dtype=np.float32)
     else:
-        std = EMBEDDING_STD if "embed_tokens" in name else PROJECTION_STD
+        std = embed if "embed_tokens" in name else PROJECTION_STD
         rng = np.random.Generator(np.random.PCG64([seed, zlib.crc32(name.encode())]))
         values = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
     return _to_bf16(values)
@@ -212,7 +225,7 @@ def write_weights(path: Path, spec: TinyModelSpec) -> None:
     with tmp.open("wb") as f:
         f.write(struct.pack("<Q", len(head)) + head)
         for name in sorted(shapes):
-            f.write(_tensor(name, shapes[name], spec.seed, norm).tobytes())
+            f.write(_tensor(name, shapes[name], spec.seed, norm, _embedding_std(spec)).tobytes())
     tmp.replace(path)
 
 

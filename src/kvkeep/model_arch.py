@@ -51,13 +51,15 @@ class Arch:
     name: str
     norm_value: float
     layer_norms: tuple[str, ...]
+    scales_embeddings: bool = False  # the model multiplies embeddings by sqrt(hidden)
 
 
 LLAMA = Arch("llama", 1.0, ("input_layernorm", "post_attention_layernorm"))
 GEMMA3 = Arch(
     "gemma3",
     0.0,
-    (
+    scales_embeddings=True,
+    layer_norms=(
         "input_layernorm",
         "post_attention_layernorm",
         "pre_feedforward_layernorm",
@@ -100,7 +102,10 @@ def gemma3_config(spec: ArchShapes) -> dict[str, object]:
         "max_position_embeddings": spec.max_positions,
         "rms_norm_eps": 1e-6,
         "hidden_activation": "gelu_pytorch_tanh",
-        "query_pre_attn_scalar": spec.head_dim,
+        # q and k are RMS-normed per head, so q.k has std sqrt(head_dim); scaled by
+        # 1/sqrt(head_dim / 6.25) the scores have std 2.5, as the Llama model's: peaked
+        # attention, so a different context (or a wrong KV block) changes the reply.
+        "query_pre_attn_scalar": max(1, round(spec.head_dim / 6.25)),
         "sliding_window": spec.sliding_window,
         "layer_types": layer_types(spec),
         "rope_parameters": {
