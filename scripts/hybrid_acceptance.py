@@ -31,12 +31,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvkeep.bench.criterion import same_as_hit  # noqa: E402
-from kvkeep.bench.deploy.vllm import LaunchConfig, VLLMServer  # noqa: E402
-from kvkeep.bench.metrics import kvkeep_tokens  # noqa: E402
-from kvkeep.serve import CacheServerConfig, CacheServerProcess  # noqa: E402
-from kvkeep.server.client import KVKeepClient  # noqa: E402
-from tests.e2e.engine import BLOCK, complete, reference  # noqa: E402
+from tests.e2e.engine import BLOCK, complete, reference
+
+from kvkeep.bench.criterion import same_as_hit
+from kvkeep.bench.deploy.vllm import LaunchConfig, VLLMServer
+from kvkeep.bench.metrics import kvkeep_tokens
+from kvkeep.serve import CacheServerConfig, CacheServerProcess
+from kvkeep.server.client import KVKeepClient
 
 MODEL = Path(os.environ.get("KVKEEP_TINY_GEMMA3", ".cache/tiny-gemma3"))
 POOL = re.compile(r"KV cache size: ([\d,]+) tokens")
