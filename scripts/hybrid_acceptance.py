@@ -3,8 +3,8 @@
 Prints one JSON line per measurement:
 
 - ``pool``: vLLM's KV pool in tokens ("CPU KV cache size: N tokens"), for vLLM alone and
-  under kvkeep, with the same ``VLLM_CPU_KVCACHE_SPACE``, and whether either log says HMA
-  was turned off;
+  under kvkeep, with the same ``VLLM_CPU_KVCACHE_SPACE`` and token budget, and whether
+  either log says HMA was turned off;
 - per prompt size (4k and 16k tokens by default): the prompt is sent once (computed, saved),
   vLLM restarts, and it is sent again: ``loaded_fraction`` of the claimable full-attention
   blocks loaded from kvkeep, the sliding groups' ``window_loaded`` tokens, whether the reply
@@ -36,7 +36,7 @@ from tests.e2e.engine import BLOCK, complete, reference
 from kvkeep.bench.criterion import same_as_hit
 from kvkeep.bench.deploy.vllm import LaunchConfig, VLLMServer
 from kvkeep.bench.metrics import kvkeep_tokens
-from kvkeep.serve import CacheServerConfig, CacheServerProcess
+from kvkeep.serve import CPU_SCHEDULING, CacheServerConfig, CacheServerProcess
 from kvkeep.server.client import KVKeepClient
 
 MODEL = Path(os.environ.get("KVKEEP_TINY_GEMMA3", ".cache/tiny-gemma3"))
@@ -100,7 +100,17 @@ def main(sizes: list[int]) -> None:
     base = Path(tempfile.mkdtemp(prefix="kvkeep-hybrid-"))
     rng = random.Random(14)
     max_len = max(sizes) + 1024
-    cfg = LaunchConfig(model=MODEL, mode="vllm", max_model_len=max_len, log_dir=base / "logs")
+    # vLLM sizes a sliding-window request by its window plus a step's tokens, so its pool in
+    # tokens depends on the token budget: vLLM alone gets the budget kvkeep serve sets.
+    budget = dict(CPU_SCHEDULING)
+    cfg = LaunchConfig(
+        model=MODEL,
+        mode="vllm",
+        max_model_len=max_len,
+        log_dir=base / "logs",
+        max_num_batched_tokens=int(budget["--max-num-batched-tokens"] or 0),
+        long_prefill_token_threshold=int(budget["--long-prefill-token-threshold"] or 0),
+    )
     with VLLMServer(cfg) as alone:
         print(json.dumps({"pool": "vllm", **pool_tokens(alone.log_path)}), flush=True)
     cache = CacheServerProcess(CacheServerConfig(base / "cache", ram="1GiB", disk="0"))
