@@ -66,6 +66,8 @@ class SchedulerSide:
             for g, book in enumerate(self.books)
         ]
         self.book, self.session = self.books[0], self.sessions[0]
+        # the group whose whole prefix a hit needs: the one refreshed for vLLM's device hits
+        self._hot_group = next((g for g, b in enumerate(self.books) if b.window is None), 0)
         self.namespace = self.book.namespace
         self.counters = Counters()
         self._requests: dict[str, Any] = {}  # req_id -> vLLM Request, while tracked
@@ -190,13 +192,16 @@ class SchedulerSide:
             log.exception("kvkeep: could not track request %s", request.request_id)
             return
         self._requests[request.request_id] = request
-        if loads[0] is not None:
+        started = [load for load in loads if load is not None]
+        if started:
             self.counters.add("offered_tokens", num_external_tokens)
-            if loads[0].background:
+            if started[0].background:
                 self.counters.add("async_loads", 1)
         # The prefix vLLM serves from its own pool is in use: refresh it in kvkeep's RAM so
         # it outlives colder blocks there and is the first back after a vLLM restart.
-        self.refresher.submit(self.session, self.book.leading_keys(request.request_id, local))
+        hot = self._hot_group
+        keys = self.books[hot].leading_keys(request.request_id, local)
+        self.refresher.submit(self.sessions[hot], keys)
 
     def plan(self, out: Any) -> tuple[StepPlan, ...] | None:
         """This step's loads and saves, one plan per KV cache group; None (nothing to do) if
