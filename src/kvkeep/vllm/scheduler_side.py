@@ -47,6 +47,11 @@ class SchedulerSide:
         # asynchronous loads (``failed_recving``), so every load is asynchronous there.
         self.hybrid = len(windows) > 1
         threshold = 1 if self.hybrid else load_async_min_blocks
+        if self.hybrid and load_async_min_blocks != 1:
+            log.info("kvkeep: %d KV cache groups: every load is asynchronous (vLLM fails a "
+                     "hybrid's loads only as whole requests of asynchronous loads); "
+                     "load_async_min_blocks=%s does not apply", len(windows),
+                     load_async_min_blocks)  # fmt: skip
         self.books = [
             RequestBook(
                 compat.namespace(vllm_config, kv_cache_config, g),
