@@ -4,6 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvkeep-installed
 MODEL  := .cache/tiny-model
+GEMMA3 := .cache/tiny-gemma3
 
 .PHONY: setup model demo test lint unit e2e clean redis
 
@@ -20,12 +21,16 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $(STAMP)
 
-model: $(MODEL)/config.json
+model: $(MODEL)/config.json $(GEMMA3)/config.json
 
 # config.json is written last: its presence means the weights and tokenizer are complete. The
 # model is rebuilt when its generator changes.
 $(MODEL)/config.json: $(STAMP) src/kvkeep/model.py
 	$(VENV)/bin/kvkeep model tiny $(MODEL)
+
+# The hybrid (sliding-window) model of the HMA tests: Gemma 3's 5 sliding layers + 1 full.
+$(GEMMA3)/config.json: $(STAMP) src/kvkeep/model.py src/kvkeep/model_arch.py
+	$(VENV)/bin/kvkeep model tiny $(GEMMA3) --arch gemma3
 
 demo: setup model
 	$(VENV)/bin/kvkeep demo --model $(MODEL)
@@ -41,10 +46,10 @@ redis:
 	scripts/redis-test-server.sh install
 
 test: setup model lint redis
-	KVKEEP_TINY_MODEL=$(abspath $(MODEL)) $(VENV)/bin/pytest -q
+	KVKEEP_TINY_MODEL=$(abspath $(MODEL)) KVKEEP_TINY_GEMMA3=$(abspath $(GEMMA3)) $(VENV)/bin/pytest -q
 
 unit: setup model redis
-	KVKEEP_TINY_MODEL=$(abspath $(MODEL)) $(VENV)/bin/pytest -q -m "not e2e"
+	KVKEEP_TINY_MODEL=$(abspath $(MODEL)) KVKEEP_TINY_GEMMA3=$(abspath $(GEMMA3)) $(VENV)/bin/pytest -q -m "not e2e"
 
 clean:
 	rm -rf $(VENV) .cache .mypy_cache .ruff_cache .pytest_cache

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvkeep.model import WEIGHTS_FILE, TinyModelSpec, write_tiny_model
+from kvkeep.model import HYBRID_LAYERS, WEIGHTS_FILE, TinyModelSpec, write_tiny_model
 from kvkeep.store.redis_process import RedisProcess
 
 
@@ -19,6 +19,17 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if given and (Path(given) / "config.json").is_file() and (Path(given) / WEIGHTS_FILE).is_file():
         return Path(given)
     return write_tiny_model(tmp_path_factory.mktemp("tiny-model"), TinyModelSpec())
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Gemma-3-style hybrid (5 sliding-window layers of 512 tokens, then 1 full)
+    `make test` generated (KVKEEP_TINY_GEMMA3), or a fresh one."""
+    given = os.environ.get("KVKEEP_TINY_GEMMA3")
+    if given and (Path(given) / "config.json").is_file() and (Path(given) / WEIGHTS_FILE).is_file():
+        return Path(given)
+    spec = TinyModelSpec(arch="gemma3", layers=HYBRID_LAYERS)
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-gemma3"), spec)
 
 
 @pytest.fixture

@@ -80,3 +80,29 @@ def test_weights_are_seeded_and_not_dummy(tmp_path: Path) -> None:
     q_other = _read_safetensors(other / WEIGHTS_FILE)["model.layers.1.self_attn.q_proj.weight"]
     assert not np.array_equal(q, q_other)
     assert (tmp_path / "a" / "config.json").read_text() != (other / "config.json").read_text()
+
+
+def test_gemma3_interleaves_sliding_and_full_layers(tmp_path: Path) -> None:
+    """`--arch gemma3` writes Gemma 3's 5-sliding-1-full interleave with a 512-token window,
+    and Gemma's norms (1 + weight) at unit scale; `--sliding-pattern 2` alternates."""
+    assert main(["model", "tiny", str(tmp_path / "g"), "--arch", "gemma3", "--vocab", "1024"]) == 0
+    cfg = json.loads((tmp_path / "g" / "config.json").read_text())
+    assert cfg["architectures"] == ["Gemma3ForCausalLM"]
+    assert cfg["layer_types"] == ["sliding_attention"] * 5 + ["full_attention"]
+    assert cfg["sliding_window"] == 512
+    norms = [n for n in weight_shapes(TinyModelSpec(arch="gemma3", layers=6)) if "norm" in n]
+    assert len(norms) == 6 * 6 + 1  # four layer norms and q/k norms per layer, and the last
+    spec = TinyModelSpec(arch="gemma3", layers=4, sliding_pattern=2)
+    write_tiny_model(tmp_path / "alt", spec)
+    cfg = json.loads((tmp_path / "alt" / "config.json").read_text())
+    assert cfg["layer_types"] == ["sliding_attention", "full_attention"] * 2
+    with pytest.raises(ValueError, match="--sliding-pattern"):
+        TinyModelSpec(arch="gemma3", layers=4, sliding_pattern=5).validate()
+
+
+def test_the_llama_files_do_not_name_the_hybrid_options(tmp_path: Path) -> None:
+    """The default model's files are what they were before --arch existed."""
+    write_tiny_model(tmp_path, TinyModelSpec(layers=2, vocab=1024))
+    described = json.loads((tmp_path / "kvkeep-model.json").read_text())
+    assert not {"arch", "sliding_window", "sliding_pattern"} & set(described)
+    assert "layer_types" not in json.loads((tmp_path / "config.json").read_text())

@@ -30,11 +30,14 @@ from pathlib import Path
 
 import numpy as np
 
+from kvkeep import model_arch
+
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>")
 CORPUS_BYTES = 3_000_000  # enough for a 8k vocabulary in about a second
 EMBEDDING_STD = 1.0
 PROJECTION_STD = 0.1  # with RMS-normed inputs, attention scores of std ~2.5: peaked, not one-hot
 WEIGHTS_FILE = "model.safetensors"
+HYBRID_LAYERS = 6  # a hybrid's default depth: Gemma 3's 5 sliding + 1 full
 
 # A ChatML-style template. Tools are listed in the system turn; assistant tool calls and tool
 # results are rendered as tagged JSON, so an agent's messages render deterministically and a
@@ -71,6 +74,9 @@ class TinyModelSpec:
     intermediate: int = 512
     max_positions: int = 131072
     seed: int = 0
+    arch: str = "llama"  # or "gemma3": sliding-window layers interleaved with full ones
+    sliding_window: int = 512  # gemma3 only: tokens a sliding layer attends to
+    sliding_pattern: int = 6  # gemma3 only: every n-th layer is full attention (2: gpt-oss)
 
     def validate(self) -> None:
         """Raise ValueError naming the argument to change when the shapes cannot form a model."""
@@ -85,10 +91,56 @@ class TinyModelSpec:
             raise ValueError(f"--vocab {self.vocab} is too small; use at least 512")
         if not 0 <= self.seed < 2**32:
             raise ValueError(f"--seed must lie in [0, 2**32), got {self.seed}")
+        model_arch.arch(self.arch)
+        if self.arch != "llama":
+            self._validate_hybrid()
+
+    def _validate_hybrid(self) -> None:
+        if self.sliding_window < 1:
+            raise ValueError(f"--sliding-window must be positive, got {self.sliding_window}")
+        if not 2 <= self.sliding_pattern <= self.layers:
+            raise ValueError(
+                f"--sliding-pattern {self.sliding_pattern} must lie in [2, --layers "
+                f"{self.layers}]: every n-th layer is full attention, the others slide"
+            )
+
+    def described(self) -> dict[str, object]:
+        """The spec as ``kvkeep-model.json`` records it (a Llama's without the hybrid-only
+        fields, so its files stay what they were before there were other architectures)."""
+        fields = asdict(self)
+        if self.arch == "llama":
+            for name in ("arch", "sliding_window", "sliding_pattern"):
+                del fields[name]
+        return fields
 
     @property
     def kv_bytes_per_token(self) -> int:
         return self.layers * 2 * self.kv_heads * self.head_dim * 2
+
+
+def model_config(spec: TinyModelSpec) -> dict[str, object]:
+    """The HF `config.json` of the spec's architecture, marked with its weights' init."""
+    if spec.arch == "llama":
+        return llama_config(spec)
+    return model_arch.gemma3_config(spec) | {
+        "kvkeep_weights": {"seed": spec.seed, "init": _init_name(spec)}
+    }
+
+
+def _init_name(spec: TinyModelSpec) -> str:
+    if spec.arch == "llama":
+        return _INIT_NAME
+    norm, embed = model_arch.arch(spec.arch).norm_value, _embedding_std(spec)
+    return f"normal(embed={embed:g},proj={PROJECTION_STD},norm={norm:g})/pcg64/bf16"
+
+
+def _embedding_std(spec: TinyModelSpec) -> float:
+    """Embeddings enter the residual stream at std 1 in every arch: Gemma multiplies them by
+    sqrt(hidden) and adds each layer's output normed to std 1, so at std 1 its embeddings
+    would drown the attention's signal (and the context would barely change a reply)."""
+    if model_arch.arch(spec.arch).scales_embeddings:
+        return EMBEDDING_STD / float(np.sqrt(spec.hidden))
+    return EMBEDDING_STD
 
 
 def llama_config(spec: TinyModelSpec) -> dict[str, object]:
@@ -122,36 +174,28 @@ _INIT_NAME = f"normal(embed={EMBEDDING_STD},proj={PROJECTION_STD},norm=1)/pcg64/
 
 
 def weight_shapes(spec: TinyModelSpec) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the Llama checkpoint, by the names vLLM's Llama loader expects."""
-    q, kv = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
+    """Every tensor of the checkpoint, by the names vLLM's loader for the arch expects."""
+    arch = model_arch.arch(spec.arch)
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (spec.vocab, spec.hidden),
         "model.norm.weight": (spec.hidden,),
         "lm_head.weight": (spec.vocab, spec.hidden),
     }
     for i in range(spec.layers):
-        pre = f"model.layers.{i}."
-        shapes |= {
-            pre + "input_layernorm.weight": (spec.hidden,),
-            pre + "post_attention_layernorm.weight": (spec.hidden,),
-            pre + "self_attn.q_proj.weight": (q, spec.hidden),
-            pre + "self_attn.k_proj.weight": (kv, spec.hidden),
-            pre + "self_attn.v_proj.weight": (kv, spec.hidden),
-            pre + "self_attn.o_proj.weight": (spec.hidden, q),
-            pre + "mlp.gate_proj.weight": (spec.intermediate, spec.hidden),
-            pre + "mlp.up_proj.weight": (spec.intermediate, spec.hidden),
-            pre + "mlp.down_proj.weight": (spec.hidden, spec.intermediate),
-        }
+        shapes |= model_arch.layer_shapes(arch, spec, i)
     return shapes
 
 
-def _tensor(name: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
-    """One tensor's values as bf16 bit patterns (uint16). Norms are 1; embeddings and
-    projections are normal, each from a generator keyed by (seed, crc32(name))."""
+def _tensor(
+    name: str, shape: tuple[int, ...], seed: int, norm: float = 1.0, embed: float = EMBEDDING_STD
+) -> np.ndarray:
+    """One tensor's values as bf16 bit patterns (uint16). Norms are ``norm`` (the arch's unit
+    scale); embeddings and projections are normal, each from a generator keyed by
+    (seed, crc32(name))."""
     if name.endswith("norm.weight"):
-        values = np.ones(shape, dtype=np.float32)
+        values = np.full(shape, norm, dtype=np.float32)
     else:
-        std = EMBEDDING_STD if "embed_tokens" in name else PROJECTION_STD
+        std = embed if "embed_tokens" in name else PROJECTION_STD
         rng = np.random.Generator(np.random.PCG64([seed, zlib.crc32(name.encode())]))
         values = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
     return _to_bf16(values)
@@ -167,7 +211,8 @@ def _to_bf16(values: np.ndarray) -> np.ndarray:
 def write_weights(path: Path, spec: TinyModelSpec) -> None:
     """Write the seeded weights as one safetensors file (bf16, names sorted, deterministic)."""
     shapes = weight_shapes(spec)
-    header: dict[str, object] = {"__metadata__": {"format": "pt", "generator": _INIT_NAME}}
+    norm = model_arch.arch(spec.arch).norm_value
+    header: dict[str, object] = {"__metadata__": {"format": "pt", "generator": _init_name(spec)}}
     offset = 0
     for name in sorted(shapes):
         size = 2 * int(np.prod(shapes[name]))
@@ -180,7 +225,7 @@ def write_weights(path: Path, spec: TinyModelSpec) -> None:
     with tmp.open("wb") as f:
         f.write(struct.pack("<Q", len(head)) + head)
         for name in sorted(shapes):
-            f.write(_tensor(name, shapes[name], spec.seed).tobytes())
+            f.write(_tensor(name, shapes[name], spec.seed, norm, _embedding_std(spec)).tobytes())
     tmp.replace(path)
 
 
@@ -247,8 +292,8 @@ def write_tiny_model(out_dir: Path, spec: TinyModelSpec) -> Path:
             {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}
         ),
         "generation_config.json": _dumps({"bos_token_id": 0, "eos_token_id": 1}),
-        "kvkeep-model.json": _dumps({"generator": "kvkeep model tiny", **asdict(spec)}),
-        "config.json": _dumps(llama_config(spec)),
+        "kvkeep-model.json": _dumps({"generator": "kvkeep model tiny", **spec.described()}),
+        "config.json": _dumps(model_config(spec)),
     }
     for name, text in files.items():
         tmp = out_dir / f".{name}.tmp"
@@ -267,17 +312,28 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tiny", help="write a tiny Llama-style model (config, tokenizer, weights)")
     t.add_argument("dir", type=Path, help="output directory")
     d = TinyModelSpec()
-    for field in ("layers", "hidden", "heads", "kv_heads", "head_dim", "vocab", "intermediate"):
+    t.add_argument("--layers", type=int, default=None,
+                   help=f"default {d.layers} ({HYBRID_LAYERS} for --arch gemma3)")  # fmt: skip
+    for field in ("hidden", "heads", "kv_heads", "head_dim", "vocab", "intermediate"):
         t.add_argument(f"--{field.replace('_', '-')}", type=int, default=getattr(d, field))
     t.add_argument("--max-positions", type=int, default=d.max_positions)
     t.add_argument("--seed", type=int, default=d.seed, help="seed of the weights")
+    hybrid = {
+        "--arch": "gemma3: sliding-window layers interleaved with full attention",
+        "--sliding-window": "gemma3: the sliding layers' window in tokens",
+        "--sliding-pattern": "gemma3: every n-th layer is full attention (6: Gemma 3, 2: gpt-oss)",
+    }
+    t.add_argument("--arch", choices=model_arch.ARCHES, default=d.arch, help=hybrid["--arch"])
+    for flag in ("--sliding-window", "--sliding-pattern"):
+        field = flag[2:].replace("-", "_")
+        t.add_argument(flag, type=int, default=getattr(d, field), help=hybrid[flag])
     return p
 
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     spec = TinyModelSpec(
-        layers=args.layers,
+        layers=args.layers or (HYBRID_LAYERS if args.arch != "llama" else TinyModelSpec.layers),
         hidden=args.hidden,
         heads=args.heads,
         kv_heads=args.kv_heads,
@@ -286,6 +342,9 @@ def main(argv: list[str]) -> int:
         intermediate=args.intermediate,
         max_positions=args.max_positions,
         seed=args.seed,
+        arch=args.arch,
+        sliding_window=args.sliding_window,
+        sliding_pattern=args.sliding_pattern,
     )
     try:
         write_tiny_model(args.dir, spec)
@@ -293,7 +352,8 @@ def main(argv: list[str]) -> int:
         print(f"kvkeep model tiny: {exc}", file=sys.stderr)
         return 2
     print(
-        f"wrote {args.dir} ({spec.layers} layers, {spec.kv_heads} KV heads x {spec.head_dim}, "
+        f"wrote {args.dir} ({spec.arch}, {spec.layers} layers, "
+        f"{spec.kv_heads} KV heads x {spec.head_dim}, "
         f"vocab {spec.vocab}, {spec.kv_bytes_per_token} KV bytes/token in bf16)"
     )
     return 0

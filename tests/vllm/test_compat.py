@@ -6,6 +6,7 @@ a stand-in (a real one needs a model), holding vLLM's real ParallelConfig and KV
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -122,8 +123,9 @@ class FakeClient:
 
 @pytest.fixture
 def side(monkeypatch: pytest.MonkeyPatch) -> tuple[SchedulerSide, FakeClient]:
-    monkeypatch.setattr(compat, "namespace", lambda vllm_config, kv_cache_config: NS)
-    monkeypatch.setattr(compat, "expected_block_bytes", lambda kv_cache_config: 1024)
+    monkeypatch.setattr(compat, "namespace", lambda vllm_config, kv_cache_config, group=0: NS)
+    monkeypatch.setattr(compat, "expected_block_bytes", lambda kv_cache_config, group=0: 1024)
+    monkeypatch.setattr(compat, "group_windows", lambda kv_cache_config: (None,))
     client = FakeClient()
     return SchedulerSide(None, None, client), client  # type: ignore[arg-type]
 
@@ -153,8 +155,9 @@ def test_a_plain_request_is_looked_up_tracked_and_saved(
     assert client.lookups == [3]
     scheduler.after_alloc(req, blocks(4), 0)  # say vLLM did not take the hit
     assert scheduler.book.tracking(req.request_id)
-    plan = scheduler.plan(first_step(req))
-    assert plan is not None
+    plans = scheduler.plan(first_step(req))
+    assert plans is not None and len(plans) == 1
+    plan = plans[0]
     assert [s.block_id for s in plan.saves] == [0, 1, 2]
 
 
@@ -182,8 +185,9 @@ def test_a_big_hit_loads_asynchronously_and_saves_after_it_when_vllm_resumes(
     """At the threshold the hit is asynchronous and its load says so; when vLLM admits the
     request again (external 0, ``num_computed_tokens`` set to what loaded, here truncated at
     a failed block 2), the plan saves from the failed block on, not the loaded ones."""
-    monkeypatch.setattr(compat, "namespace", lambda vllm_config, kv_cache_config: NS)
-    monkeypatch.setattr(compat, "expected_block_bytes", lambda kv_cache_config: 1024)
+    monkeypatch.setattr(compat, "namespace", lambda vllm_config, kv_cache_config, group=0: NS)
+    monkeypatch.setattr(compat, "expected_block_bytes", lambda kv_cache_config, group=0: 1024)
+    monkeypatch.setattr(compat, "group_windows", lambda kv_cache_config: (None,))
     scheduler = SchedulerSide(None, None, FakeClient(), load_async_min_blocks=3)  # type: ignore[arg-type]
     small = SchedulerSide(None, None, FakeClient(), load_async_min_blocks=4)  # type: ignore[arg-type]
     req = request()
@@ -192,8 +196,8 @@ def test_a_big_hit_loads_asynchronously_and_saves_after_it_when_vllm_resumes(
     scheduler.after_alloc(req, blocks(3), 3 * BS)
     plan = scheduler.plan(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={},
         scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[],
-                                              resumed_req_ids=set())))  # fmt: skip
-    assert plan is not None and [r.background for r in plan.loads] == [True]
+                                              resumed_req_ids=set())))[0]  # fmt: skip
+    assert [r.background for r in plan.loads] == [True]
     req.num_computed_tokens = 2 * BS  # vLLM truncated the request at the failed block
     scheduler.after_alloc(req, blocks(4), 0)
     new = SimpleNamespace(req_id=req.request_id, block_ids=([0, 1, 2, 3],),
@@ -201,8 +205,10 @@ def test_a_big_hit_loads_asynchronously_and_saves_after_it_when_vllm_resumes(
     step = first_step(req)
     step.scheduled_new_reqs = [new]
     step.num_scheduled_tokens = {req.request_id: BS + 1}
-    plan = scheduler.plan(step)
-    assert plan is not None and plan.loads == ()
+    plans = scheduler.plan(step)
+    assert plans is not None
+    plan = plans[0]
+    assert plan.loads == ()
     assert [s.block_id for s in plan.saves] == [2]
 
 
@@ -216,9 +222,9 @@ def test_a_lora_request_is_not_looked_up_nor_saved(
         scheduler.after_alloc(req, blocks(4), 0)
     assert client.lookups == []
     assert not scheduler.book.tracking(req.request_id)
-    plan = scheduler.plan(first_step(req))
-    assert plan is not None
-    assert plan.saves == ()
+    plans = scheduler.plan(first_step(req))
+    assert plans is not None
+    assert plans[0].saves == ()
     assert _events(scheduler.counters.take()) == {"unkeyable_lora": 1}  # once per request
     scheduler.finished(req.request_id)
     scheduler.after_alloc(request(req.request_id, mm_features=[image()]), blocks(4), 0)
@@ -232,6 +238,23 @@ def full(**kw: Any) -> FullAttentionSpec:
     return FullAttentionSpec(
         block_size=BS, num_kv_heads=2, head_size=kw.pop("head_size", 64), dtype=torch.bfloat16, **kw
     )
+
+
+def sliding(**kw: Any) -> SlidingWindowSpec:
+    return SlidingWindowSpec(
+        block_size=kw.pop("block_size", BS), num_kv_heads=2, head_size=64, dtype=torch.bfloat16,
+        sliding_window=kw.pop("window", 128), **kw,
+    )  # fmt: skip
+
+
+def test_a_hybrid_of_sliding_window_and_full_groups_is_accepted() -> None:
+    """vLLM's hybrid KV cache manager on (Gemma 3): each group is kept on its own, and the
+    namespaces of two groups differ, so their blocks never mix."""
+    config = cache_config(sliding(), sliding(), full())
+    check_supported(engine(), config)
+    assert compat.group_windows(config) == (128, 128, None)
+    labels = {compat._group_label(config, g) for g in range(3)}
+    assert len(labels) == 3 and all(label.startswith("g") for label in labels)
 
 
 def cache_config(*specs: KVCacheSpec) -> KVCacheConfig:
@@ -307,19 +330,11 @@ def mixed_head_sizes() -> UniformTypeKVCacheSpecs:
             "Mamba",
         ),
         (
-            cache_config(
-                full(),
-                SlidingWindowSpec(
-                    block_size=BS,
-                    num_kv_heads=2,
-                    head_size=64,
-                    dtype=torch.bfloat16,
-                    sliding_window=128,
-                ),
-            ),
-            "2 groups",
+            cache_config(full(), sliding(window=256, extra_retained_tokens=1)),
+            "below its window",
         ),
-        (cache_config(full(), full(head_size=128)), "group 0 only"),
+        (cache_config(full(), sliding(block_size=2 * BS)), "different block sizes"),
+        (cache_config(sliding()), "not plain full attention"),
         (
             cache_config(
                 SinkFullAttentionSpec(
@@ -337,8 +352,9 @@ def mixed_head_sizes() -> UniformTypeKVCacheSpecs:
         "mixed-heads",
         "mla",
         "mamba",
-        "hybrid",
-        "two-full-groups",
+        "sliding-extra-retained",
+        "groups-of-two-block-sizes",
+        "sliding-window-alone",
         "sink",
         "non-causal",
         "compressed",
@@ -384,3 +400,47 @@ def test_generated_weights_are_refused_at_start_up() -> None:
         check_supported(dummy, cache_config(full()))
     dummy.load_config = SimpleNamespace(load_format="safetensors")
     check_supported(dummy, cache_config(full()))
+
+
+# --- a hybrid's hit rule ----------------------------------------------------------------------
+
+
+class GroupClient(FakeClient):
+    """Holds, per namespace, the keys ``present`` says; LOOKUP answers the leading run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.present: dict[bytes, set[bytes]] = {}
+
+    def lookup(self, session: Any, keys: list[bytes]) -> LookupResult:
+        held = self.present.get(session.digest, set())
+        n = next((i for i, k in enumerate(keys) if k not in held), len(keys))
+        return LookupResult(n, ("ram",) * n)
+
+
+def hybrid_side(monkeypatch: pytest.MonkeyPatch) -> tuple[SchedulerSide, GroupClient]:
+    """Group 0 slides over 2 blocks (window 2 * BS + 1), group 1 is full attention."""
+    spaces = [replace(NS, layout=f"LBHNC/g{g}") for g in range(2)]
+    monkeypatch.setattr(compat, "namespace", lambda vllm_config, kv_cache_config, g=0: spaces[g])
+    monkeypatch.setattr(compat, "expected_block_bytes", lambda kv_cache_config, group=0: 1024)
+    monkeypatch.setattr(compat, "group_windows", lambda kv_cache_config: (2 * BS + 1, None))
+    client = GroupClient()
+    return SchedulerSide(None, None, client), client  # type: ignore[arg-type]
+
+
+def test_a_hybrid_hit_needs_the_full_prefix_and_only_the_sliding_window(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A 6-block prompt (claimable 5 blocks): the full group holds all 5, the sliding group
+    only blocks 3 and 4 (the window before the hit) -> a hit of 5 blocks, loaded in the
+    background. Without the sliding block 3 there is no hit."""
+    scheduler, client = hybrid_side(monkeypatch)
+    req = request(n=6 * BS)
+    swa, full = (b.keys_for(req.request_id, req.all_token_ids, None) for b in scheduler.books)
+    client.present[scheduler.sessions[1].digest] = set(full[:5])
+    client.present[scheduler.sessions[0].digest] = set(swa[3:5])
+    assert scheduler.match(req, 0) == (5 * BS, True)
+    other = request("other", n=6 * BS)
+    client.present[scheduler.sessions[0].digest] = {swa[4]}
+    assert scheduler.match(other, 0) == (0, False)
+    assert swa[0] != full[0], "the groups' keys differ"

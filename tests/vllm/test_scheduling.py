@@ -296,3 +296,68 @@ def test_async_loads_start_at_the_threshold_and_a_failed_one_claims_no_more() ->
     assert not book.claims_for("big") and book.claims_for("small")
     book.finish("big")
     assert book.claims_for("big")  # a new request under the same id starts clean
+
+
+# --- sliding-window groups (vLLM's hybrid KV cache manager) --------------------------------
+
+WINDOW = 9  # tokens; the next token attends to the last 8: exactly 2 blocks of 4
+NULL = 0  # vLLM's null block: what a sliding group's table holds outside the window
+
+
+@pytest.mark.parametrize(("hit", "first"), [(4, 0), (8, 0), (9, 0), (12, 1), (16, 2), (40, 8)])
+def test_window_start_is_vllms_skipped_blocks(hit: int, first: int) -> None:
+    """``SlidingWindowManager.get_num_skipped_tokens``: hit - window + 1 tokens are skipped,
+    so a hit of 16 tokens needs blocks [2, 4) (tokens 8..15), the last 8 tokens."""
+    assert RequestBook(NS, window=WINDOW).window_start(hit) == first
+    assert RequestBook(NS).window_start(hit) == 0
+
+
+def test_a_sliding_group_loads_only_the_window_before_the_hit() -> None:
+    """A hit of 6 blocks after 1 local block: the full group loads blocks 1..5, the sliding
+    group only blocks 4 and 5; the out-of-window ones are vLLM's null block, never copied."""
+    prompt = tokens(29)  # limit 7 blocks
+    full, swa = RequestBook(NS, 1), RequestBook(NS, 1, WINDOW, NULL)
+    for book in (full, swa):
+        book.remember_match("r", Match(4, 29, 5))
+    table = [10, NULL, NULL, NULL, 14, 15, 16, 17]
+    swa_load = swa.on_alloc("r", prompt, None, table, 20)
+    full_load = full.on_alloc("r", prompt, None, [20, 21, 22, 23, 24, 25, 26, 27], 20)
+    assert full_load is not None and [b.block_id for b in full_load.blocks] == [21, 22, 23, 24, 25]
+    assert swa_load is not None and [b.block_id for b in swa_load.blocks] == [14, 15]
+    assert swa_load.background, "with several groups every load is asynchronous"
+    keys = chain_keys(NS, prompt, BS)
+    assert [b.key for b in swa_load.blocks] == keys[4:6]
+
+
+def test_a_sliding_group_saves_the_window_before_the_claimable_end_and_after() -> None:
+    """A 29-token prompt can be claimed up to 7 blocks; a hit there needs blocks 5 and 6.
+    The sliding group saves those and the blocks after them, nothing before; the full
+    group saves everything."""
+    prompt = tokens(29)
+    full, swa = RequestBook(NS), RequestBook(NS, window=WINDOW, null_block=NULL)
+    assert swa.on_alloc("r", prompt, None, list(range(1, 9)), 0) is None
+    full.on_alloc("r", prompt, None, list(range(1, 9)), 0)
+    assert [b.block_id for b in full.saves_after("r", 16, prompt, None)] == [1, 2, 3, 4]
+    assert swa.saves_after("r", 16, prompt, None) == []
+    assert [b.block_id for b in swa.saves_after("r", 29, prompt, None)] == [6, 7]
+    seq = prompt + tokens(3, start=500)  # decode completes block 7
+    assert [b.block_id for b in swa.saves_after("r", 32, seq, None)] == [8]
+
+
+def test_a_sliding_group_never_saves_a_null_block() -> None:
+    """A request admitted with a hit holds null blocks below the window; a rewind of its
+    frontier (vLLM truncating it) cannot make the group save them."""
+    prompt = tokens(29)
+    swa = RequestBook(NS, window=WINDOW, null_block=NULL)
+    swa.remember_match("r", Match(0, 29, 0))
+    swa.on_alloc("r", prompt, None, [NULL, NULL, NULL, NULL, NULL, 15, 16, 17], 0)
+    swa.rewind("r", 0)
+    assert [b.block_id for b in swa.saves_after("r", 29, prompt, None)] == [15, 16]
+
+
+def test_a_request_failed_as_a_whole_claims_no_more() -> None:
+    book = RequestBook(NS, 1)
+    book.remember_match("r", Match(0, 29, 5))
+    book.on_alloc("r", tokens(29), None, list(range(8)), 20)
+    assert book.on_loads_finished({"r"}, set(), {"r"}) == {"r"}
+    assert not book.claims_for("r")

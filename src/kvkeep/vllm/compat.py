@@ -29,20 +29,41 @@ def layout_name(vllm_config: Any, kv_cache_config: Any) -> str:
     return str(getattr(name, "name", name))
 
 
-def _spec(kv_cache_config: Any) -> Any:
-    return kv_cache_config.kv_cache_groups[0].kv_cache_spec
+def _spec(kv_cache_config: Any, group: int = 0) -> Any:
+    return kv_cache_config.kv_cache_groups[group].kv_cache_spec
 
 
-def layout_description(vllm_config: Any, kv_cache_config: Any) -> LayoutDescription:
-    """vLLM's description of the KV cache, as the layout adapter needs it."""
+NULL_BLOCK_ID = 0
+"""vLLM's null block (``BlockPool.null_block``, the first block of the pool): the placeholder
+a sliding-window group's block table holds for blocks outside the window. It holds no KV."""
+
+
+def num_groups(kv_cache_config: Any) -> int:
+    """How many KV cache groups vLLM made: 1 for a plain model, several under its hybrid KV
+    cache manager (one per run of layers of one kind, e.g. sliding-window and full)."""
+    return len(kv_cache_config.kv_cache_groups)
+
+
+def sliding_window(kv_cache_config: Any, group: int) -> int | None:
+    """The tokens a group's layers attend back over, or None for full attention."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    spec = _spec(kv_cache_config, group)
+    return int(spec.sliding_window) if isinstance(spec, SlidingWindowSpec) else None
+
+
+def layout_description(vllm_config: Any, kv_cache_config: Any, group: int = 0) -> LayoutDescription:
+    """vLLM's description of KV cache group ``group``, as the layout adapter needs it. Under
+    the hybrid KV cache manager every group has its own block ids over the same pool, so a
+    group is described (and copied) on its own: ``num_groups`` is 1."""
     groups = kv_cache_config.kv_cache_groups
-    spec = _spec(kv_cache_config)
+    spec = _spec(kv_cache_config, group)
     return LayoutDescription(
         layout=layout_name(vllm_config, kv_cache_config),
         num_blocks=int(kv_cache_config.num_blocks),
         block_size=int(spec.block_size),
-        num_groups=len(groups),
-        layer_names=tuple(groups[0].layer_names) if groups else (),
+        num_groups=1 if len(groups) > 1 else len(groups),
+        layer_names=tuple(groups[group].layer_names) if groups else (),
         page_size_bytes=int(spec.page_size_bytes),
     )
 
@@ -51,13 +72,13 @@ def block_size(kv_cache_config: Any) -> int:
     return int(_spec(kv_cache_config).block_size)
 
 
-def expected_block_bytes(kv_cache_config: Any) -> int:
-    """A kvkeep block's size as the scheduler sees it: one page per layer of group 0. Only
+def expected_block_bytes(kv_cache_config: Any, group: int = 0) -> int:
+    """A kvkeep block's size as the scheduler sees it: one page per layer of the group. Only
     the cache server's size check at HELLO uses it; workers size blocks from their tensors."""
     groups = kv_cache_config.kv_cache_groups
     if not groups:
         return 0
-    return len(groups[0].layer_names) * int(_spec(kv_cache_config).page_size_bytes)
+    return len(groups[group].layer_names) * int(_spec(kv_cache_config, group).page_size_bytes)
 
 
 def step_blocks(vllm_config: Any, block_size: int) -> int:
@@ -146,16 +167,22 @@ def weights_fingerprint(model: str) -> str | None:
     return digest.hexdigest()
 
 
-def namespace(vllm_config: Any, kv_cache_config: Any) -> Namespace:
-    """The rank-0 namespace of this engine's blocks (salt unset; it is per request)."""
-    spec = _spec(kv_cache_config)
+def namespace(vllm_config: Any, kv_cache_config: Any, group: int = 0) -> Namespace:
+    """The rank-0 namespace of this engine's blocks of KV cache group ``group`` (salt unset;
+    it is per request). With several groups the layout names the group, its layers and its
+    window, so one group's blocks never stand in for another's; a single group's namespace
+    is what it was before kvkeep knew groups (its stored blocks stay valid)."""
+    spec = _spec(kv_cache_config, group)
     _, tp_size = tp_rank_size(vllm_config)
     kv_dtype = f"{spec.dtype}/{vllm_config.cache_config.cache_dtype}"
     heads = f"h{spec.num_kv_heads}d{spec.head_size}"
+    layout = f"{layout_name(vllm_config, kv_cache_config)}/{heads}"
+    if num_groups(kv_cache_config) > 1:
+        layout += "/" + _group_label(kv_cache_config, group)
     return Namespace(
         model_digest=model_digest(vllm_config),
         kv_dtype=kv_dtype,
-        layout=f"{layout_name(vllm_config, kv_cache_config)}/{heads}",
+        layout=layout,
         backend=attention_backend(vllm_config, kv_cache_config),
         block_size=int(spec.block_size),
         tp_rank=0,
@@ -163,14 +190,28 @@ def namespace(vllm_config: Any, kv_cache_config: Any) -> Namespace:
     )
 
 
+def _group_label(kv_cache_config: Any, group: int) -> str:
+    """A group's identity in its namespace: index, kind, window and layer names."""
+    g = kv_cache_config.kv_cache_groups[group]
+    window = sliding_window(kv_cache_config, group)
+    kind = f"swa{window}" if window is not None else "full"
+    layers = hashlib.sha256(",".join(g.layer_names).encode()).hexdigest()[:16]
+    return f"g{group}/{kind}/{layers}"
+
+
 def group0_block_ids(blocks: Any) -> list[int]:
     """Block ids of KV cache group 0 from a ``KVCacheBlocks``."""
     return list(blocks.get_block_ids()[0])
 
 
-def new_block_ids_of(entry: Sequence[Sequence[int]] | None) -> list[int]:
-    """Group-0 ids from one ``CachedRequestData.new_block_ids`` entry (None: none new)."""
-    return list(entry[0]) if entry else []
+def group_block_ids(blocks: Any, group: int) -> list[int]:
+    """Block ids of KV cache group ``group`` from a ``KVCacheBlocks``."""
+    return list(blocks.get_block_ids()[group])
+
+
+def new_block_ids_of(entry: Sequence[Sequence[int]] | None, group: int = 0) -> list[int]:
+    """A group's ids from one ``CachedRequestData.new_block_ids`` entry (None: none new)."""
+    return list(entry[group]) if entry else []
 
 
 def request_tokens(request: Any) -> Sequence[int]:
@@ -243,18 +284,16 @@ def check_supported(vllm_config: Any, kv_cache_config: Any | None) -> None:
             + _INSTEAD
         )
     _check_state_groups(vllm_config, groups)
-    if len(groups) > 1:
-        kinds = ", ".join(
-            f"{type(g.kv_cache_spec).__name__} ({len(g.layer_names)} layers)" for g in groups
-        )
+    for i, group in enumerate(groups):
+        problem = _spec_problem(group.kv_cache_spec, hybrid=len(groups) > 1)
+        if problem is not None:
+            raise UnsupportedConfig(f"KV cache group {i}: {problem}; {_INSTEAD}")
+    sizes = {int(g.kv_cache_spec.block_size) for g in groups}
+    if len(sizes) > 1:
         raise UnsupportedConfig(
-            f"the KV cache has {len(groups)} groups [{kinds}]; kvkeep keys and copies the "
-            "layers of group 0 only, so a block it served would leave the other groups' KV "
-            f"missing. kvkeep supports models whose attention layers form one group; {_INSTEAD}"
+            f"the KV cache groups have different block sizes {sorted(sizes)}; kvkeep keys "
+            f"every group's blocks over one block size; {_INSTEAD}"
         )
-    problem = _spec_problem(groups[0].kv_cache_spec)
-    if problem is not None:
-        raise UnsupportedConfig(f"KV cache group 0: {problem}; {_INSTEAD}")
 
 
 def _check_state_groups(vllm_config: Any, groups: Sequence[Any]) -> None:
@@ -310,18 +349,20 @@ def _check_parallel(parallel: Any) -> None:
             )
 
 
-def _spec_problem(spec: Any) -> str | None:
-    """Why kvkeep cannot describe a group's KV cache spec, or None: kvkeep accepts exactly
-    vLLM's plain ``FullAttentionSpec`` (also what sliding-window layers become when vLLM's
-    hybrid KV cache manager is off, which it is for kvkeep), with causal attention and one
-    state per token."""
+def _spec_problem(spec: Any, hybrid: bool = False) -> str | None:
+    """Why kvkeep cannot describe a group's KV cache spec, or None: kvkeep accepts vLLM's
+    plain ``FullAttentionSpec`` (also what sliding-window layers become when vLLM's hybrid KV
+    cache manager is off), and, for a group of a hybrid model (``hybrid``), a plain
+    ``SlidingWindowSpec``; with causal attention and one state per token."""
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         MambaSpec,
         MLAAttentionSpec,
+        SlidingWindowSpec,
         UniformTypeKVCacheSpecs,
     )
 
+    plain = (FullAttentionSpec, SlidingWindowSpec) if hybrid else (FullAttentionSpec,)
     name = type(spec).__name__
     if isinstance(spec, UniformTypeKVCacheSpecs):
         return (
@@ -335,12 +376,17 @@ def _spec_problem(spec: Any) -> str | None:
         )
     if isinstance(spec, MLAAttentionSpec):
         return f"{name}: kvkeep is not built or tested for MLA (latent) KV pages yet"
-    if type(spec) is not FullAttentionSpec:
+    if type(spec) not in plain:
         return (
-            f"{name} is not plain full attention (FullAttentionSpec), the only KV cache spec "
-            "kvkeep describes"
+            f"{name} is not plain full attention (FullAttentionSpec) or, in a hybrid model, "
+            "a plain sliding window (SlidingWindowSpec), the KV cache specs kvkeep describes"
         )
-    if spec.non_causal:
+    if getattr(spec, "extra_retained_tokens", 0):
+        return (
+            f"{name} keeps {spec.extra_retained_tokens} tokens below its window (multi-token "
+            "speculative decoding), which kvkeep's window arithmetic does not count"
+        )
+    if getattr(spec, "non_causal", False):
         return (
             "its attention is non-causal (a prefix LM), so a block's KV depends on tokens "
             "after it and prefix-chained keys would serve wrong KV"
@@ -351,3 +397,22 @@ def _spec_problem(spec: Any) -> str | None:
             "one state per token"
         )
     return None
+
+
+def group_windows(kv_cache_config: Any) -> tuple[int | None, ...]:
+    """Per KV cache group, the sliding window kvkeep keeps blocks for (None: every block).
+    A single group is always kept whole: ``check_supported`` lets only full attention in."""
+    n = num_groups(kv_cache_config)
+    if n == 1:
+        return (None,)
+    return tuple(sliding_window(kv_cache_config, g) for g in range(n))
+
+
+def group_label(role: str, group: int, windows: tuple[int | None, ...]) -> str:
+    """A session label (``namespaces.json`` shows it): a single group keeps the plain name
+    (``scheduler``, ``worker0``); a hybrid's groups are named with their index and kind,
+    e.g. ``worker0/g5/full`` or ``scheduler/g0/swa512``."""
+    if len(windows) == 1:
+        return role
+    window = windows[group]
+    return f"{role}/g{group}/" + ("full" if window is None else f"swa{window}")

@@ -45,6 +45,15 @@ difference (``audit_*`` counters): drift is small, a real fault is not.
 Nothing raised by kvkeep escapes into vLLM: a down, slow or restarted cache server turns
 into misses and recomputes. The client reconnects with backoff and bounds every RPC.
 
+Hybrid models (vLLM's hybrid KV cache manager, ``SupportsHMA``): each KV cache group (e.g.
+Gemma 3's sliding-window layers and its full-attention layers) has its own block ids, so
+kvkeep keeps each group's blocks under a namespace of its own and plans, loads and saves
+each group apart (one ``RequestBook`` and one ``WorkerSide`` per group). A sliding-window
+group loads and saves only the blocks in the window a hit needs (``RequestBook``'s doc).
+With several groups vLLM accepts load failures only as whole requests of asynchronous loads
+(``failed_recving``), so every load is asynchronous there, and a request is reported when
+all its groups' loads ended (:mod:`kvkeep.vllm.hybrid`).
+
 This module is vLLM's entry point and delegates by role: ``scheduler_side`` (EngineCore),
 ``worker_side`` (each worker), ``stats`` (counters and Prometheus); the decisions, free of
 vllm, are in ``scheduling``.
@@ -58,6 +67,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -66,6 +77,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from kvkeep.server.client import KVKeepClient
 from kvkeep.vllm import compat
+from kvkeep.vllm.hybrid import GroupLoads
 from kvkeep.vllm.scheduler_side import SchedulerSide
 from kvkeep.vllm.scheduling import (
     ConnectorConfig,
@@ -86,17 +98,19 @@ if TYPE_CHECKING:
 
 
 class KVKeepMetadata(KVConnectorMetadata):
-    """The scheduler's plan for this step, as the worker receives it (picklable)."""
+    """The scheduler's plans for this step, one per KV cache group, as the workers receive
+    them (picklable)."""
 
-    def __init__(self, plan: StepPlan | None) -> None:
-        self.plan = plan
+    def __init__(self, plans: tuple[StepPlan, ...] | None) -> None:
+        self.plans = plans
 
 
 # --- the connector ------------------------------------------------------------------------
 
 
-class KVKeepConnector(KVConnectorBase_V1):
-    """vLLM's entry point; delegates to ``SchedulerSide`` or ``WorkerSide`` by role."""
+class KVKeepConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM's entry point; delegates to ``SchedulerSide`` or one ``WorkerSide`` per KV cache
+    group, by role."""
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -110,7 +124,9 @@ class KVKeepConnector(KVConnectorBase_V1):
             max_backoff_s=config.max_backoff_s,
         )
         self._scheduler: SchedulerSide | None = None
-        self._worker: WorkerSide | None = None
+        self._workers: list[WorkerSide] = []
+        self._hybrid = compat.num_groups(kv_cache_config) > 1
+        self._group_loads = GroupLoads()
         if role == KVConnectorRole.SCHEDULER:
             block_bytes = compat.expected_block_bytes(kv_cache_config)
             self._scheduler = SchedulerSide(
@@ -118,7 +134,24 @@ class KVKeepConnector(KVConnectorBase_V1):
             )
         else:
             staging = None if config.staging_mib is None else int(config.staging_mib * (1 << 20))
-            self._worker = WorkerSide(vllm_config, kv_cache_config, client, config.audit, staging)
+            self._workers = [
+                self._worker_side(vllm_config, kv_cache_config, client, config, staging, g)
+                for g in range(compat.num_groups(kv_cache_config))
+            ]
+        self._worker = self._workers[0] if self._workers else None
+
+    @staticmethod
+    def _worker_side(
+        vllm_config: Any,
+        kv_cache_config: Any,
+        client: KVKeepClient,
+        config: ConnectorConfig,
+        staging: int | None,
+        group: int,
+    ) -> WorkerSide:
+        """Group 0's worker uses ``client`` for its synchronous loads; others a sibling."""
+        own = client if group == 0 else client.sibling()
+        return WorkerSide(vllm_config, kv_cache_config, own, config.audit, staging, group)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -147,7 +180,8 @@ class KVKeepConnector(KVConnectorBase_V1):
             return
         invalid = connector_output.invalid_block_ids or set()
         if connector_output.finished_recving:
-            self._scheduler.loads_finished(set(connector_output.finished_recving), invalid)
+            failed = set(connector_output.failed_recving or ())
+            self._scheduler.loads_finished(set(connector_output.finished_recving), invalid, failed)
         if invalid:
             self._scheduler.load_errors(invalid)
 
@@ -163,16 +197,36 @@ class KVKeepConnector(KVConnectorBase_V1):
             self._scheduler.finished(request.request_id)
         return False, None
 
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's call for a connector that supports HMA, once per request, with every
+        group's blocks: the same as ``request_finished`` (saves never hold blocks)."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
+
     # worker side ----------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        assert self._worker is not None
-        self._worker.register(kv_caches)
+        assert self._workers
+        for worker in self._workers:
+            worker.register(kv_caches)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        plan = self._plan()
-        if self._worker is not None and plan is not None and plan.loads:
-            self._worker.load(plan)
+        plans = self._plans()
+        if self._hybrid:
+            self._expect_loads(plans)
+        for worker, plan in zip(self._workers, plans, strict=False):
+            if plan.loads:
+                worker.load(plan)
+
+    def _expect_loads(self, plans: tuple[StepPlan, ...]) -> None:
+        """Count, per request, the groups whose loads start now (see ``kvkeep.vllm.hybrid``)."""
+        groups: dict[str, int] = {}
+        for plan in plans:
+            for load in plan.loads:
+                groups[load.req_id] = groups.get(load.req_id, 0) + 1
+        for req_id, n in groups.items():
+            self._group_loads.expect(req_id, n)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # synchronous loads finish in start_load_kv; asynchronous ones feed no forward
@@ -183,36 +237,66 @@ class KVKeepConnector(KVConnectorBase_V1):
         return  # saves copy whole blocks of every layer in wait_for_save
 
     def wait_for_save(self) -> None:
-        plan = self._plan()
-        if self._worker is not None:
-            self._worker.end_step(plan)
+        plans = self._plans()
+        for g, worker in enumerate(self._workers):
+            worker.end_step(plans[g] if g < len(plans) else None)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(nothing sent: saves never hold vLLM's blocks, requests whose asynchronous load
         ended). An aborted request is reported too: vLLM keeps its blocks until then."""
         if self._worker is None:
             return None, None
+        if self._hybrid:
+            return None, self._group_loads_ended().finished or None
         return None, self._worker.finished_loads()
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """``get_finished``'s answer; with several groups also the requests whose load failed
+        in some group (``failed_recving``: vLLM recomputes them from scratch)."""
+        if not self._hybrid or self._worker is None:
+            _, recving = self.get_finished(finished_req_ids)
+            return KVConnectorTransferResults(finished_recving=set(recving or ()))
+        ended = self._group_loads_ended()
+        return KVConnectorTransferResults(
+            finished_recving=ended.finished, failed_recving=ended.failed
+        )
+
+    def _group_loads_ended(self) -> Any:
+        for worker in self._workers:
+            for result in worker.finished_results():
+                self._group_loads.ended(result.req_id, bool(result.failed))
+        return self._group_loads.take()
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.take_load_errors() if self._worker is not None else set()
+        """The failed blocks of this step's loads. With several KV cache groups block ids
+        are not unique and vLLM refuses them (it raises): failures go as whole requests
+        through ``get_transfer_results`` instead, and the block ids are dropped here."""
+        errors = set()
+        for worker in self._workers:
+            errors |= worker.take_load_errors()
+        return set() if self._hybrid else errors
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        side = self._worker or self._scheduler
-        data = side.counters.take() if side is not None else None
+        sides: list[Any] = [*self._workers, self._scheduler]
+        data: dict[str, float] = {}
+        for side in sides:
+            taken = side.counters.take() if side is not None else None
+            for name, value in (taken or {}).items():
+                data[name] = data.get(name, 0) + value
         return KVKeepStats(data=data) if data else None
 
     def shutdown(self) -> None:
-        if self._worker is not None:
-            self._worker.shutdown()
+        for worker in self._workers:
+            worker.shutdown()
         if self._scheduler is not None:  # its TOUCH thread, after what is queued
             self._scheduler.refresher.close()
 
-    def _plan(self) -> StepPlan | None:
+    def _plans(self) -> tuple[StepPlan, ...]:
         if not self.has_connector_metadata():
-            return None
+            return ()
         meta = self._get_connector_metadata()
-        return meta.plan if isinstance(meta, KVKeepMetadata) else None
+        plans = meta.plans if isinstance(meta, KVKeepMetadata) else None
+        return plans or ()
 
     # stats classmethods ---------------------------------------------------------------------
 

@@ -42,12 +42,38 @@ class SchedulerSide:
         load_async_min_blocks: int | None = None,
     ) -> None:
         self.vllm_config = vllm_config
-        self.namespace = compat.namespace(vllm_config, kv_cache_config)
-        self.book = RequestBook(self.namespace, load_async_min_blocks)
+        windows = compat.group_windows(kv_cache_config)
+        # With several KV cache groups vLLM takes load failures only as whole requests of
+        # asynchronous loads (``failed_recving``), so every load is asynchronous there.
+        self.hybrid = len(windows) > 1
+        threshold = 1 if self.hybrid else load_async_min_blocks
+        if self.hybrid and load_async_min_blocks != 1:
+            log.info("kvkeep: %d KV cache groups: every load is asynchronous (vLLM fails a "
+                     "hybrid's loads only as whole requests of asynchronous loads); "
+                     "load_async_min_blocks=%s does not apply", len(windows),
+                     load_async_min_blocks)  # fmt: skip
+        self.books = [
+            RequestBook(
+                compat.namespace(vllm_config, kv_cache_config, g),
+                threshold,
+                window,
+                compat.NULL_BLOCK_ID,
+            )
+            for g, window in enumerate(windows)
+        ]
         self.client = client
-        self.session = client.session(
-            self.namespace, compat.expected_block_bytes(kv_cache_config), label="scheduler"
-        )
+        self.sessions = [
+            client.session(
+                book.namespace,
+                compat.expected_block_bytes(kv_cache_config, g),
+                label=compat.group_label("scheduler", g, windows),
+            )
+            for g, book in enumerate(self.books)
+        ]
+        self.book, self.session = self.books[0], self.sessions[0]
+        # the group whose whole prefix a hit needs: the one refreshed for vLLM's device hits
+        self._hot_group = next((g for g, b in enumerate(self.books) if b.window is None), 0)
+        self.namespace = self.book.namespace
         self.counters = Counters()
         self._requests: dict[str, Any] = {}  # req_id -> vLLM Request, while tracked
         self._unkeyable: set[str] = set()  # req_ids counted as unkeyable, until finished
@@ -56,7 +82,8 @@ class SchedulerSide:
 
     def _announce(self, socket_path: str | None) -> None:
         try:
-            self.client.hello(self.namespace, self.session.block_bytes, "scheduler")
+            for session in self.sessions:
+                self.client.hello(session.digest, session.block_bytes, session.label)
             log.info("kvkeep: cache server at %s, namespace %s", socket_path, self._ns_label())
         except CacheUnavailable as exc:
             log.warning(
@@ -68,7 +95,8 @@ class SchedulerSide:
 
     def _ns_label(self) -> str:
         ns = self.namespace
-        return f"{ns.digest().hex()[:12]} ({ns.backend}, {ns.layout}, block {ns.block_size})"
+        more = f", {len(self.books)} KV cache groups" if self.hybrid else ""
+        return f"{ns.digest().hex()[:12]} ({ns.backend}, {ns.layout}, block {ns.block_size}{more})"
 
     def match(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens kvkeep can supply beyond ``num_computed_tokens``, and whether they load in
@@ -93,8 +121,9 @@ class SchedulerSide:
         if not self.book.claims_for(req_id):
             return 0
         claim = claim_range(num_tokens, num_computed, self.book.block_size)
-        found = self._lookup(request, claim)
-        self.book.remember_match(req_id, Match(num_computed, num_tokens, found))
+        found = self._lookup_groups(request, claim) if self.hybrid else self._lookup(request, claim)
+        for book in self.books:
+            book.remember_match(req_id, Match(num_computed, num_tokens, found))
         return found * self.book.block_size
 
     def _lookup(self, request: Any, claim: ClaimRange) -> int:
@@ -112,6 +141,40 @@ class SchedulerSide:
             log.debug("kvkeep: lookup unavailable: %s", exc)
             return 0
 
+    def _lookup_groups(self, request: Any, claim: ClaimRange) -> int:
+        """vLLM's hybrid hit rule over kvkeep's groups: the full-attention groups' common
+        leading run from ``claim.first`` gives the hit N; it stands if every sliding-window
+        group holds its blocks ``[max(first, window_start(N)), N)``, else there is no hit (a
+        shorter N would need more LOOKUPs, and saves keep the sliding blocks of the
+        claimable ends that later prompts hit)."""
+        if claim.empty:
+            return 0
+        self.counters.add("lookups", 1)
+        hit = claim.limit
+        for g, book in enumerate(self.books):
+            if book.window is None:
+                hit = claim.first + self._present(request, g, claim.first, hit)
+        for g, book in enumerate(self.books):
+            first = max(claim.first, book.window_start(hit * book.block_size))
+            if book.window is not None and self._present(request, g, first, hit) < hit - first:
+                return 0
+        return hit - claim.first
+
+    def _present(self, request: Any, group: int, first: int, limit: int) -> int:
+        """How many of group ``group``'s keys ``[first, limit)`` lead present (0 if down)."""
+        if first >= limit:
+            return 0
+        book = self.books[group]
+        keys = book.keys_for(request.request_id, compat.request_tokens(request),
+                             compat.request_salt(request))  # fmt: skip
+        try:
+            with self.counters.timed("lookup_rpc_s"):
+                return self.client.lookup(self.sessions[group], keys[first:limit]).num_present
+        except CacheUnavailable as exc:
+            self.counters.add("lookup_failures", 1)
+            log.debug("kvkeep: lookup unavailable: %s", exc)
+            return 0
+
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         try:
             reason = compat.unkeyable_reason(request)
@@ -119,28 +182,35 @@ class SchedulerSide:
                 self._skip_unkeyable(request.request_id, reason)
                 return
             local = self.book.local_blocks(request.request_id)
-            load = self.book.on_alloc(
-                request.request_id,
-                compat.request_tokens(request),
-                compat.request_salt(request),
-                compat.group0_block_ids(blocks),
-                num_external_tokens,
-                request.num_computed_tokens,
-            )
+            loads = [
+                book.on_alloc(
+                    request.request_id,
+                    compat.request_tokens(request),
+                    compat.request_salt(request),
+                    compat.group_block_ids(blocks, g),
+                    num_external_tokens,
+                    request.num_computed_tokens,
+                )
+                for g, book in enumerate(self.books)
+            ]
         except Exception:
             log.exception("kvkeep: could not track request %s", request.request_id)
             return
         self._requests[request.request_id] = request
-        if load is not None:
-            self.counters.add("offered_tokens", len(load.blocks) * self.book.block_size)
-            if load.background:
+        started = [load for load in loads if load is not None]
+        if started:
+            self.counters.add("offered_tokens", num_external_tokens)
+            if started[0].background:
                 self.counters.add("async_loads", 1)
         # The prefix vLLM serves from its own pool is in use: refresh it in kvkeep's RAM so
         # it outlives colder blocks there and is the first back after a vLLM restart.
-        self.refresher.submit(self.session, self.book.leading_keys(request.request_id, local))
+        hot = self._hot_group
+        keys = self.books[hot].leading_keys(request.request_id, local)
+        self.refresher.submit(self.sessions[hot], keys)
 
-    def plan(self, out: Any) -> StepPlan | None:
-        """This step's loads and saves; None (nothing to do) if planning itself failed."""
+    def plan(self, out: Any) -> tuple[StepPlan, ...] | None:
+        """This step's loads and saves, one plan per KV cache group; None (nothing to do) if
+        planning itself failed."""
         try:
             with self.counters.timed("plan_s"):
                 return self._plan(out)
@@ -148,26 +218,32 @@ class SchedulerSide:
             log.exception("kvkeep: could not plan this step; skipping its loads and saves")
             return None
 
-    def _plan(self, out: Any) -> StepPlan:
+    def _plan(self, out: Any) -> tuple[StepPlan, ...]:
+        return tuple(self._group_plan(out, g) for g in range(len(self.books)))
+
+    def _group_plan(self, out: Any, group: int) -> StepPlan:
+        book = self.books[group]
         saves: list[BlockTransfer] = []
         for new in out.scheduled_new_reqs:
-            self.book.update_blocks(new.req_id, compat.new_block_ids_of(new.block_ids), True)
+            book.update_blocks(new.req_id, compat.new_block_ids_of(new.block_ids, group), True)
             after = new.num_computed_tokens + out.num_scheduled_tokens.get(new.req_id, 0)
-            saves += self._saves(new.req_id, after)
+            saves += self._saves(book, new.req_id, after)
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            ids = compat.new_block_ids_of(cached.new_block_ids[i])
-            self.book.update_blocks(req_id, ids, req_id in cached.resumed_req_ids)
-            self.book.rewind(req_id, cached.num_computed_tokens[i])
+            ids = compat.new_block_ids_of(cached.new_block_ids[i], group)
+            book.update_blocks(req_id, ids, req_id in cached.resumed_req_ids)
+            book.rewind(req_id, cached.num_computed_tokens[i])
             after = cached.num_computed_tokens[i] + out.num_scheduled_tokens.get(req_id, 0)
-            saves += self._saves(req_id, after)
-        return self.book.take_plan(saves)
+            saves += self._saves(book, req_id, after)
+        return book.take_plan(saves)
 
-    def _saves(self, req_id: str, num_computed_after: int) -> list[BlockTransfer]:
+    def _saves(
+        self, book: RequestBook, req_id: str, num_computed_after: int
+    ) -> list[BlockTransfer]:
         request = self._requests.get(req_id)
         if request is None:
             return []
-        return self.book.saves_after(
+        return book.saves_after(
             req_id,
             num_computed_after,
             compat.request_tokens(request),
@@ -183,10 +259,15 @@ class SchedulerSide:
             self._unkeyable.add(req_id)
             self.counters.add(f"unkeyable_{reason}", 1)
 
-    def loads_finished(self, req_ids: set[str], invalid_block_ids: set[int]) -> None:
-        """vLLM reports asynchronous loads ended; those with a failed block claim no more."""
+    def loads_finished(
+        self, req_ids: set[str], invalid_block_ids: set[int], failed_requests: set[str]
+    ) -> None:
+        """vLLM reports asynchronous loads ended; those with a failed block, or reported
+        failed as a whole, claim no more."""
         try:
-            failed = self.book.on_loads_finished(req_ids, invalid_block_ids)
+            failed: set[str] = set()
+            for book in self.books:
+                failed |= book.on_loads_finished(req_ids, invalid_block_ids, failed_requests)
         except Exception:
             log.exception("kvkeep: could not record finished loads")
             return
@@ -197,7 +278,7 @@ class SchedulerSide:
     def load_errors(self, block_ids: set[int]) -> None:
         """A step reported failed loads: its saves were dropped; plan them again."""
         try:
-            rewound = self.book.on_load_errors()
+            rewound = sum(book.on_load_errors() for book in self.books)
         except Exception:
             log.exception("kvkeep: could not rewind the save frontiers")
             return
@@ -205,6 +286,7 @@ class SchedulerSide:
                  "vLLM recomputes", len(block_ids), rewound)  # fmt: skip
 
     def finished(self, req_id: str) -> None:
-        self.book.finish(req_id)
+        for book in self.books:
+            book.finish(req_id)
         self._requests.pop(req_id, None)
         self._unkeyable.discard(req_id)

@@ -33,16 +33,19 @@ computed, and the request gets no further claims (``on_loads_finished``).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import threading
-import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from kvkeep.keys import BlockKey, Namespace, chain_keys
+
+# The counters lived here before they had a module; their old names still work.
+from kvkeep.vllm.counters import COUNTER_NAMES as COUNTER_NAMES
+from kvkeep.vllm.counters import PROFILE_NAMES as PROFILE_NAMES
+from kvkeep.vllm.counters import Counters as Counters
+from kvkeep.vllm.counters import timed as timed
 
 # --- configuration ------------------------------------------------------------------------
 
@@ -231,16 +234,36 @@ class _Tracked:
     keys: list[BlockKey]
     block_ids: list[int] = field(default_factory=list)
     saved: int = 0
+    save_from: int = 0  # a sliding-window group saves no block before this one
 
 
 class RequestBook:
-    """The scheduler side's memory of requests, between vLLM's callbacks. Not thread-safe
-    (vLLM's scheduler is single-threaded)."""
+    """The scheduler side's memory of requests, between vLLM's callbacks, for one KV cache
+    group. Not thread-safe (vLLM's scheduler is single-threaded).
 
-    def __init__(self, namespace: Namespace, load_async_min_blocks: int | None = None) -> None:
+    A sliding-window group (``window`` tokens) keeps, like vLLM's hybrid KV cache manager,
+    only the blocks a hit needs: for a hit of N tokens the blocks from
+    ``window_start(N)`` to N. Its block table holds ``null_block`` elsewhere. It loads only
+    those blocks and saves, of each request, the blocks from the window before its prompt's
+    claimable end on (``save_from``): enough for the same prompt, or one that extends it, to
+    hit after a restart, and about one window per request stored::
+
+        prompt blocks  [0 ........... save_from ......... limit | last)
+        saved          [  never        | window_blocks blocks   | and later ones, when full)
+    """
+
+    def __init__(
+        self,
+        namespace: Namespace,
+        load_async_min_blocks: int | None = None,
+        window: int | None = None,
+        null_block: int = 0,
+    ) -> None:
         self.namespace = namespace
         self.block_size = namespace.block_size
         self.load_async_min_blocks = load_async_min_blocks
+        self.window = window
+        self.null_block = null_block
         self._roots: dict[str | None, BlockKey] = {}
         self._keys: dict[str, tuple[BlockKey, list[BlockKey]]] = {}
         self._matches: dict[str, Match] = {}
@@ -279,6 +302,19 @@ class RequestBook:
             keys += chain_keys(root, tokens[done:], self.block_size, parent=parent)
         return keys
 
+    # windows ------------------------------------------------------------------------------
+
+    def window_start(self, num_tokens: int) -> int:
+        """The first block a hit of ``num_tokens`` tokens needs in this group (0 for full
+        attention). vLLM's rule (``SlidingWindowManager.get_num_skipped_tokens``): the next
+        token attends to the last ``window - 1`` tokens, the ones before are skipped."""
+        if self.window is None:
+            return 0
+        return max(0, num_tokens - self.window + 1) // self.block_size
+
+    def _holds_kv(self, block_id: int) -> bool:
+        return self.window is None or block_id != self.null_block
+
     # admission ----------------------------------------------------------------------------
 
     def cached_match(self, req_id: str, num_computed: int, num_tokens: int) -> Match | None:
@@ -309,10 +345,17 @@ class RequestBook:
         server that is down for the workers only) would cycle it through loads for nothing."""
         return req_id not in self._no_claims
 
-    def on_loads_finished(self, finished: set[str], invalid_block_ids: set[int]) -> set[str]:
+    def on_loads_finished(
+        self,
+        finished: set[str],
+        invalid_block_ids: set[int],
+        failed_requests: frozenset[str] | set[str] = frozenset(),
+    ) -> set[str]:
         """Asynchronous loads vLLM reports ended (``finished_recving``), with the step's failed
-        blocks; the requests among them with a failed block, which get no further claims."""
-        failed = set()
+        blocks and the requests reported failed as a whole (``failed_recving``, the only way
+        with several KV cache groups); the requests among them that failed, which get no
+        further claims."""
+        failed = finished & failed_requests
         for req_id in finished:
             blocks = self._in_flight.pop(req_id, frozenset())
             if blocks & invalid_block_ids:
@@ -349,11 +392,19 @@ class RequestBook:
         external = num_external_tokens // self.block_size
         keys = self.keys_for(req_id, tokens, salt)
         saved = max(local + external, num_computed_tokens // self.block_size)
-        self._tracked[req_id] = _Tracked(self.root_for(salt), keys, list(block_ids), saved)
+        limit = claim_range(len(tokens), 0, self.block_size).limit
+        save_from = self.window_start(limit * self.block_size)
+        tracked = _Tracked(self.root_for(salt), keys, list(block_ids), saved, save_from)
+        self._tracked[req_id] = tracked
         if external == 0:
             return None
-        span = range(local, local + external)
-        blocks = tuple(BlockTransfer(block_ids[i], keys[i]) for i in span)
+        span = range(max(local, self.window_start((local + external) * self.block_size)),
+                     local + external)  # fmt: skip
+        blocks = tuple(
+            BlockTransfer(block_ids[i], keys[i]) for i in span if self._holds_kv(block_ids[i])
+        )
+        if not blocks:
+            return None
         load = RequestLoad(req_id, blocks, self.in_background(external))
         if load.background:
             self._in_flight[req_id] = frozenset(b.block_id for b in blocks)
@@ -410,10 +461,11 @@ class RequestBook:
         if full <= tracked.saved:
             return []
         keys = self.keys_for(req_id, tokens[: full * self.block_size], salt)
-        span = range(tracked.saved, full)
+        span = range(max(tracked.saved, tracked.save_from), full)
         self._planning.setdefault(req_id, tracked.saved)
         tracked.saved = full
-        return [BlockTransfer(tracked.block_ids[i], keys[i]) for i in span]
+        ids = tracked.block_ids
+        return [BlockTransfer(ids[i], keys[i]) for i in span if self._holds_kv(ids[i])]
 
     def take_plan(self, saves: Sequence[BlockTransfer]) -> StepPlan:
         """This step's plan; drains the queued loads (each load is shipped exactly once).
@@ -436,86 +488,3 @@ class RequestBook:
 
     def __len__(self) -> int:
         return len(self._tracked)
-
-
-# --- counters ------------------------------------------------------------------------------
-
-PROFILE_NAMES = (
-    # scheduler: a whole admission answer, its LOOKUP round trip, a whole step plan
-    "match_s",
-    "lookup_rpc_s",
-    "plan_s",
-    # worker, loads (before the forward): ACQUIRE, checksums, copies in, RELEASE
-    "acquire_rpc_s",
-    "verify_s",
-    "copy_in_s",
-    "release_rpc_s",
-    # worker, saves: on the step only the batched copy out into staging rows; the saver's
-    # thread: RESERVE, rows into slots, checksums, COMMIT
-    "copy_out_s",
-    "reserve_rpc_s",
-    "slot_copy_s",
-    "checksum_s",
-    "commit_rpc_s",
-)
-"""Where a kvkeep step's time goes, in seconds (``vllm:kvkeep_seconds_total{op=...}``)."""
-
-COUNTER_NAMES = (
-    "lookups",
-    "lookup_failures",
-    "offered_tokens",
-    "loaded_tokens",
-    "load_failed_tokens",
-    "saved_tokens",
-    "save_failures",
-    "saves_dropped",
-    "saves_skipped_busy",
-    "async_loads",
-    "async_loads_failed",
-    "audit_blocks",
-    "audit_mismatches",
-    "unkeyable_lora",
-    "unkeyable_multimodal",
-    "unkeyable_prompt_embeds",
-    "load_s",
-    "save_s",
-    *PROFILE_NAMES,
-)
-
-
-@contextlib.contextmanager
-def timed(add: Callable[[str, float], object], name: str) -> Iterator[None]:
-    """Call ``add(name, seconds)`` with the block's wall time, also when it raises."""
-    t0 = time.perf_counter()
-    try:
-        yield
-    finally:
-        add(name, time.perf_counter() - t0)
-
-
-@dataclass
-class Counters:
-    """kvkeep's own count of what the connector did; merged across workers by addition.
-    Thread-safe (the commit thread counts too)."""
-
-    values: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COUNTER_NAMES, 0))
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, name: str, amount: float) -> None:
-        with self._lock:
-            self.values[name] = self.values.get(name, 0) + amount
-
-    def merge(self, other: Mapping[str, float]) -> None:
-        for name, amount in other.items():
-            self.add(name, amount)
-
-    def timed(self, name: str) -> contextlib.AbstractContextManager[None]:
-        """Add the block's wall time to ``name`` (seconds), also when it raises."""
-        return timed(self.add, name)
-
-    def take(self) -> dict[str, float] | None:
-        """The non-zero counts since the last take, and reset; None if nothing happened."""
-        with self._lock:
-            data = {k: v for k, v in self.values.items() if v}
-            self.values = dict.fromkeys(COUNTER_NAMES, 0)
-        return data or None

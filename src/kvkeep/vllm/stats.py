@@ -51,6 +51,9 @@ class KVKeepPromMetrics(KVConnectorPromMetrics):
         "loaded_tokens": "loaded",
         "load_failed_tokens": "load_failed",
         "saved_tokens": "saved",
+        "window_loaded_tokens": "window_loaded",
+        "window_load_failed_tokens": "window_load_failed",
+        "window_saved_tokens": "window_saved",
     }
     _SECONDS: ClassVar[dict[str, str]] = {
         "load_s": "load",

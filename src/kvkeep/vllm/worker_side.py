@@ -35,6 +35,7 @@ from kvkeep.vllm.transfer import Mover
 log = logging.getLogger("vllm.kvkeep")
 SUMMARY_EVERY_S = 10.0
 
+WINDOW_COUNTED = frozenset({"loaded_tokens", "load_failed_tokens", "saved_tokens"})
 AUDIT_DRIFT = 0.1  # largest element difference of two valid copies of a block (audit only)
 
 
@@ -52,8 +53,9 @@ def block_difference(stored: np.ndarray, engine: np.ndarray, dtype: Any) -> floa
 
 
 class WorkerSide:
-    """Copies between the engine's KV blocks and arena slots. Loads are synchronous and run
-    before the forward; saves copy out on the step and are stored in the background.
+    """Copies between the engine's KV blocks and arena slots, for KV cache group ``group``.
+    Loads are synchronous and run before the forward, or asynchronous; saves copy out on
+    the step and are stored in the background.
 
     ``client`` serves loads (on the step); saves use a second connection of their own
     (``client.sibling()``), so a step's ACQUIRE never queues behind a background COMMIT."""
@@ -65,8 +67,11 @@ class WorkerSide:
         client: KVKeepClient,
         audit: bool = False,
         staging_bytes: int | None = None,
+        group: int = 0,
     ) -> None:
         self.vllm_config, self.kv_cache_config = vllm_config, kv_cache_config
+        self.group = group
+        self.windows = compat.group_windows(kv_cache_config)
         self.client = client
         self.audit = audit
         self.staging_bytes = staging_bytes
@@ -86,7 +91,7 @@ class WorkerSide:
 
     def register(self, kv_caches: dict[str, Any]) -> None:
         """Build the layout adapter; an unsupported layout raises here and stops start-up."""
-        description = compat.layout_description(self.vllm_config, self.kv_cache_config)
+        description = compat.layout_description(self.vllm_config, self.kv_cache_config, self.group)
         self.layout = KVLayout.build(description, kv_caches)
         self.mover = cuda.mover_for(self.layout)
         steps = compat.step_blocks(self.vllm_config, description.block_size)
@@ -100,8 +105,9 @@ class WorkerSide:
         )
         self.background = BackgroundLoads(background, self._count)
         log.info(
-            "kvkeep: %d layers, %s pages of %d bytes (%s), %d-byte blocks, %s copies, "
+            "kvkeep: group %d: %d layers, %s pages of %d bytes (%s), %d-byte blocks, %s copies, "
             "staging %d x %d blocks",
+            self.group,
             self.layout.num_layers,
             description.layout,
             self.layout.page_bytes,
@@ -118,7 +124,7 @@ class WorkerSide:
             ns = plan.namespace
             if self.tp_rank:
                 ns = replace(ns, tp_rank=self.tp_rank)
-            label = f"worker{self.tp_rank}"
+            label = compat.group_label(f"worker{self.tp_rank}", self.group, self.windows)
             self._sessions[digest] = self.client.session(ns, self.layout.block_bytes, label)
         return self._sessions[digest]
 
@@ -172,16 +178,21 @@ class WorkerSide:
         """Requests whose asynchronous load ended since the last call (vLLM's
         ``finished_recving``); their failed blocks join this step's load errors, which vLLM
         reads in the same step. None when there are none. Never raises."""
+        return {r.req_id for r in self.finished_results()} or None
+
+    def finished_results(self) -> list[LoadResult]:
+        """How the asynchronous loads that ended since the last call ended (each once), as
+        ``finished_loads`` reports them. Never raises."""
         results, self._unstarted = self._unstarted, []
         if self.background is not None:
             results += self.background.take_finished()
         if not results:
-            return None
+            return []
         failed = self._note_results(results)
         self._count("async_loads_failed", sum(1 for r in results if r.failed))
         log.info("kvkeep: %d asynchronous loads finished, %d blocks loaded (%d failed)",
                  len(results), sum(r.loaded for r in results), failed)  # fmt: skip
-        return {r.req_id for r in results}
+        return results
 
     def _note_results(self, results: Sequence[LoadResult]) -> int:
         """Count loads and record their failed blocks as load errors; the failed count."""
@@ -268,6 +279,8 @@ class WorkerSide:
     # bookkeeping ---------------------------------------------------------------------------
 
     def _count(self, name: str, amount: float) -> None:
+        if self.windows[self.group] is not None and name in WINDOW_COUNTED:
+            name = "window_" + name  # a sliding group's blocks are not the prompt's tokens
         self.counters.add(name, amount)
         self.totals.add(name, amount)
 
