@@ -100,7 +100,7 @@ def test_hol_compares_with_vllms_own_scheduling_in_a_deployment_of_its_own(
     assert [s.name for s in hol.build(same)] == ["hol"]  # every mode at vLLM's defaults already
     measured = cli.parser("hol").parse_args([*argv, "--endpoint", "http://127.0.0.1:9"])
     assert [s.name for s in hol.build(measured)] == ["hol"]  # a running server: as it is
-    results = {"hol": {"vllm": {"r": 1}}, "hol@vllm-defaults": {"vllm": {"r": 2}}}
+    results = {"hol": {"vllm": {"r": 1}}, "hol@vllm-defaults": {"vllm": {"r": 2}, "kvkeep": {}}}
     assert by_scenario(results) == {"hol": {"vllm": {"r": 1}, "vllm@vllm-defaults": {"r": 2}}}
 
 

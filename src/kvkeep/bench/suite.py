@@ -112,7 +112,9 @@ def by_scenario(results: Results) -> Results:
     out: Results = {}
     for full, by_mode in results.items():
         name, _, tag = full.partition("@")
-        out.setdefault(name, {}).update({f"{m}@{tag}" if tag else m: r for m, r in by_mode.items()})
+        if tag:  # a variant's modes it does not run in are not rows of their own
+            by_mode = {f"{m}@{tag}": r for m, r in by_mode.items() if r != {}}
+        out.setdefault(name, {}).update(by_mode)
     return out
 
 
