@@ -12,7 +12,7 @@ from kvkeep.bench import cli
 from kvkeep.bench.context import Needs, RunContext, Setup
 from kvkeep.bench.deploy.vllm import LaunchConfig
 from kvkeep.bench.scenarios import hol
-from kvkeep.bench.suite import _key, by_scenario, launch_config, run_modes
+from kvkeep.bench.suite import _key, by_scenario, launch_config, pool_tokens, run_modes
 
 BENCH = Path(__file__).resolve().parents[2] / "src" / "kvkeep" / "bench"
 
@@ -153,3 +153,17 @@ def test_only_deploy_starts_processes() -> None:
 def test_no_module_over_500_lines() -> None:
     long = {p.name: n for p in BENCH.rglob("*.py") if (n := len(p.read_text().splitlines())) > 500}
     assert not long, long
+
+
+def test_a_hybrid_models_context_fits_its_pool_as_vllm_counts_it(
+    tiny_model: Path, tiny_gemma3: Path
+) -> None:
+    """With the hybrid KV cache manager every group takes its own blocks, a sliding group its
+    window and a step's tokens: vLLM refuses to start when max_model_len asks for more. 28,160
+    tokens is what vLLM 0.32 itself reports for 256 blocks of the tiny Gemma-3 at budget 256
+    ("the estimated maximum model length is 28160")."""
+    assert pool_tokens(tiny_model, 255, 256) == 255 * 128
+    assert pool_tokens(tiny_gemma3, 255, 256) == 28160
+    assert pool_tokens(tiny_gemma3, 255, 2048) < 28160  # a bigger step holds more window
+    base = LaunchConfig(model=tiny_gemma3, max_model_len=32768)
+    assert launch_config(base, Needs(num_blocks=256), 0).max_model_len == 28160

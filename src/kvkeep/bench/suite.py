@@ -38,6 +38,8 @@ from kvkeep.bench.scenarios.replay import ReplayScenario
 from kvkeep.bench.scenarios.restart import RestartScenario, RestartSpec
 from kvkeep.bench.scenarios.session import SessionScenario
 from kvkeep.bench.scenarios.ttft import TTFTScenario
+from kvkeep.plan.footprint import footprint_from_file
+from kvkeep.plan.pool import request_blocks
 from kvkeep.plan.replay import DEFAULT_TRACES, ReplaySpec
 from kvkeep.workload import SessionSpec, TokenCounter
 
@@ -127,9 +129,26 @@ def launch_config(base: LaunchConfig, needs: Needs, tokens: int) -> LaunchConfig
     scheduling = needs.scheduling or base.scheduling
     length = max(base.max_model_len, -(-tokens // 1024) * 1024)
     if blocks is not None:
-        length = min(length, (blocks - 1) * BLOCK)
+        step = budget or (256 if scheduling == "kvkeep" else 2048)  # serve's, vLLM-cpu's
+        length = min(length, pool_tokens(base.model, blocks - 1, step))
     return replace(base, num_blocks=blocks, max_num_batched_tokens=budget, max_model_len=length,
                    scheduling=scheduling)  # fmt: skip
+
+
+def pool_tokens(model: Path, blocks: int, step_tokens: int) -> int:
+    """The longest request (in whole blocks of tokens) that ``blocks`` pool blocks hold for
+    the model in directory ``model``, by vLLM's start-up check: with its hybrid KV cache
+    manager every KV cache group takes its own blocks, a sliding one its window and a step's
+    ``step_tokens`` (`kvkeep.plan.pool`). A directory without a readable config.json counts
+    one block per BLOCK tokens."""
+    try:
+        fp = footprint_from_file(model / "config.json")
+    except (OSError, ValueError):
+        return blocks * BLOCK
+    n = blocks
+    while n > 1 and request_blocks(fp, n * BLOCK, BLOCK, step_tokens) > blocks:
+        n -= 1
+    return n * BLOCK
 
 
 def _run_one(s: Scenario, ctx: RunContext, profile: bool = False) -> dict[str, Any]:

@@ -44,12 +44,15 @@ def pool_groups(fp: KVFootprint) -> PoolGroups:
     return PoolGroups(math.ceil(full / size), math.ceil(sliding / size), size)
 
 
-def request_blocks(fp: KVFootprint, tokens: int, block_tokens: int) -> int:
+def request_blocks(fp: KVFootprint, tokens: int, block_tokens: int, step_tokens: int = 0) -> int:
     """Pool blocks a request of ``tokens`` tokens holds after its prefill under vLLM's hybrid
-    KV cache manager (for a model without sliding layers: ``ceil(tokens / block_tokens)``)."""
+    KV cache manager (for a model without sliding layers: ``ceil(tokens / block_tokens)``).
+    ``step_tokens``: a step's token budget, which a sliding group also holds while it runs
+    (vLLM's start-up check that one request of the maximum length fits counts it)."""
     if tokens <= 0 or block_tokens <= 0:
         raise ValueError("tokens and block_tokens must be positive")
     groups = pool_groups(fp)
     every = math.ceil(tokens / block_tokens)
-    window = math.ceil((fp.window_tokens - 1) / block_tokens) + 1 if fp.window_layers else every
+    span = fp.window_tokens - 1 + step_tokens
+    window = math.ceil(span / block_tokens) + 1 if fp.window_layers else every
     return groups.full * every + groups.sliding * min(every, window)
