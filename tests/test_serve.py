@@ -185,3 +185,26 @@ def test_a_mamba_hybrid_is_refused_before_anything_starts(tmp_path: Path) -> Non
     assert "3 of 4 layers of type linear_attention" in proc.stderr  # transformers 5 names
     assert f"`vllm serve {model}`" in proc.stderr
     assert not state.exists()
+
+
+def test_generated_weights_are_refused_before_anything_starts(tmp_path: Path) -> None:
+    """vLLM's generated weights make every reply the same whatever its context, so a wrong KV
+    block could never show: `kvkeep serve` exits 2 saying so, starts nothing, and accepts the
+    model's own weights (`--load-format safetensors`) in the same command."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    state = tmp_path / "state"
+
+    def serve(*vllm_args: str) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "kvkeep.cli", "serve", str(model), "--dir", str(state),
+                "--dry-run", "--", *vllm_args]  # fmt: skip
+        return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+    for args in (("--load-format", "dummy"), ("--load-format=dummy",)):
+        proc = serve(*args)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stdout == "" and "Traceback" not in proc.stderr
+        assert "--load-format dummy: vLLM would generate the model's weights" in proc.stderr
+        assert not state.exists()
+    assert serve("--load-format", "safetensors").returncode == 0

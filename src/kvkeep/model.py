@@ -145,17 +145,7 @@ def _embedding_std(spec: TinyModelSpec) -> float:
 
 def llama_config(spec: TinyModelSpec) -> dict[str, object]:
     """The HF `config.json` for a Llama-architecture model of these shapes (bf16)."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": spec.hidden,
-        "intermediate_size": spec.intermediate,
-        "num_hidden_layers": spec.layers,
-        "num_attention_heads": spec.heads,
-        "num_key_value_heads": spec.kv_heads,
-        "head_dim": spec.head_dim,
-        "vocab_size": spec.vocab,
-        "max_position_embeddings": spec.max_positions,
+    return model_arch.shape_config("LlamaForCausalLM", "llama", spec) | {
         "rms_norm_eps": 1e-5,
         "rope_theta": 500000.0,
         "hidden_act": "silu",

@@ -87,11 +87,12 @@ def layer_types(spec: ArchShapes) -> list[str]:
     ]
 
 
-def gemma3_config(spec: ArchShapes) -> dict[str, object]:
-    """The HF ``config.json`` keys of a text-only Gemma 3 (``Gemma3ForCausalLM``), bf16."""
+def shape_config(architecture: str, model_type: str, spec: ArchShapes) -> dict[str, object]:
+    """The HF ``config.json`` keys every architecture writes the same way, in this order:
+    which model it is, then its shapes."""
     return {
-        "architectures": ["Gemma3ForCausalLM"],
-        "model_type": "gemma3_text",
+        "architectures": [architecture],
+        "model_type": model_type,
         "hidden_size": spec.hidden,
         "intermediate_size": spec.intermediate,
         "num_hidden_layers": spec.layers,
@@ -100,6 +101,12 @@ def gemma3_config(spec: ArchShapes) -> dict[str, object]:
         "head_dim": spec.head_dim,
         "vocab_size": spec.vocab,
         "max_position_embeddings": spec.max_positions,
+    }
+
+
+def gemma3_config(spec: ArchShapes) -> dict[str, object]:
+    """The HF ``config.json`` keys of a text-only Gemma 3 (``Gemma3ForCausalLM``), bf16."""
+    return shape_config("Gemma3ForCausalLM", "gemma3_text", spec) | {
         "rms_norm_eps": 1e-6,
         "hidden_activation": "gelu_pytorch_tanh",
         # q and k are RMS-normed per head, so q.k has std sqrt(head_dim); scaled by

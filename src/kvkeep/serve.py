@@ -288,6 +288,7 @@ def main(argv: list[str]) -> int:
         if problem:
             raise ValueError(problem)
         check_model(args.model)
+        check_weights(vllm_args)
         env = engine_env(args.model, cache, found, vllm_args)
     except ValueError as exc:
         print(f"kvkeep serve: {exc}", file=sys.stderr)
@@ -310,6 +311,22 @@ def check_model(model: str) -> None:
     found = state_layers(config) if config is not None else None
     if found is not None:
         raise ValueError(refusal(found, model))
+
+
+GENERATED_WEIGHTS = "dummy"  # vLLM's --load-format that makes up the weights instead of reading
+
+
+def check_weights(vllm_args: Sequence[str]) -> None:
+    """Refuse vLLM's generated weights before anything starts: with them every reply is the
+    same whatever its context, so a wrong KV block would look right and nothing could tell.
+    Raises ValueError saying what to do. (The connector refuses them too, at engine start.)"""
+    if flag_value(vllm_args, "--load-format") == GENERATED_WEIGHTS:
+        raise ValueError(
+            f"--load-format {GENERATED_WEIGHTS}: vLLM would generate the model's weights, and "
+            "with them no reply depends on its context, so no wrong KV block could ever show; "
+            "serve the model's own weights (drop --load-format; `kvkeep model tiny DIR` writes "
+            "a small seeded model)"
+        )
 
 
 def engine_env(

@@ -8,19 +8,50 @@ own prefix-cache hit on the same KV (``Reference.hit``), and a cold run up to nu
 from __future__ import annotations
 
 import json
+import random
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import httpx
 
 from kvkeep.bench.criterion import TOP_ALTERNATIVES, Reply
+from kvkeep.bench.deploy.vllm import VLLMServer
 from kvkeep.keys import BlockKey, chain_keys, root_key_of
+from kvkeep.serve import CacheServerProcess
 from kvkeep.server.client import KVKeepClient, Session
 
 MODEL_NAME = "kvkeep-tiny"
 BLOCK = 128
+VOCAB = 8192
+
+
+@dataclass
+class Deployment:
+    """A test module's cache server and vLLM, and a seeded source of prompts. Each module's
+    ``Rig`` adds the operations its tests do to them."""
+
+    cache: CacheServerProcess
+    vllm: VLLMServer
+    rng: random.Random
+    PROMPT_IDS: ClassVar[tuple[int, int]] = (100, VOCAB)  # the token ids prompts draw from
+
+    @property
+    def url(self) -> str:
+        return self.vllm.url
+
+    @property
+    def directory(self) -> Path:
+        return self.cache.cfg.directory
+
+    def prompt(self, tokens: int) -> list[int]:
+        low, high = self.PROMPT_IDS
+        return [self.rng.randrange(low, high) for _ in range(tokens)]
+
+    def client(self) -> KVKeepClient:
+        return KVKeepClient(socket_path=self.cache.cfg.socket_path, timeout_s=5.0)
 
 
 class Served(NamedTuple):

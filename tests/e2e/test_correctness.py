@@ -32,11 +32,12 @@ from kvkeep.bench.criterion import same_as_cold, same_as_hit
 from kvkeep.bench.deploy.vllm import LaunchConfig, VLLMServer
 from kvkeep.bench.metrics import kvkeep_tokens
 from kvkeep.serve import CacheServerConfig, CacheServerProcess
-from kvkeep.server.client import KVKeepClient
 
 from .engine import (
     BLOCK,
     MODEL_NAME,
+    VOCAB,
+    Deployment,
     StoredNamespace,
     arena_problems,
     complete,
@@ -51,27 +52,12 @@ from .rpcproxy import RpcProxy
 
 pytestmark = pytest.mark.e2e
 
-VOCAB = 8192
-
 
 @dataclass
-class Rig:
-    cache: CacheServerProcess
-    proxy: RpcProxy
-    vllm: VLLMServer
-    rng: random.Random
+class Rig(Deployment):
+    proxy: RpcProxy  # between vLLM and the cache server
     asynchronous: bool = False  # every load is asynchronous (load_async_min_blocks 1)
     _namespace: StoredNamespace | None = None
-
-    @property
-    def url(self) -> str:
-        return self.vllm.url
-
-    def prompt(self, tokens: int) -> list[int]:
-        return [self.rng.randrange(100, VOCAB) for _ in range(tokens)]
-
-    def client(self) -> KVKeepClient:
-        return KVKeepClient(socket_path=self.cache.cfg.socket_path, timeout_s=5.0)
 
     def namespace(self) -> StoredNamespace:
         """The engine's namespace, read once (tools that say HELLO later relabel it)."""
@@ -147,7 +133,7 @@ def rig(
         extra_env=(("VLLM_SERVER_DEV_MODE", "1"),),
         connector_settings=(("load_async_min_blocks", 1 if asynchronous else None),),
     )
-    rig = Rig(cache, proxy, VLLMServer(cfg), random.Random(2026), asynchronous)
+    rig = Rig(cache, VLLMServer(cfg), random.Random(2026), proxy, asynchronous)
     try:
         rig.vllm.start()
         yield rig

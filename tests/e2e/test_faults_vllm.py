@@ -37,11 +37,10 @@ from kvkeep.bench.http import TurnResult, run_agents
 from kvkeep.bench.metrics import kvkeep_tokens
 from kvkeep.model import TinyModelSpec, write_tiny_model
 from kvkeep.serve import CacheServerConfig, CacheServerProcess
-from kvkeep.server.client import KVKeepClient
 from kvkeep.store.diskformat import read_index
 from kvkeep.workload import HFTokenizer, SessionSpec, generate_sessions
 
-from .engine import Reference, Served, arena_problems, complete, reference
+from .engine import Deployment, Reference, Served, arena_problems, complete, reference
 
 pytestmark = pytest.mark.e2e
 
@@ -52,23 +51,10 @@ KILLS_EACH = 10  # kill/restart cycles during the agents, then as many during th
 
 
 @dataclass
-class Rig:
+class Rig(Deployment):
     """The module's cache server and vLLM, with the operations the tests do to them."""
 
-    cache: CacheServerProcess
-    vllm: VLLMServer
-    rng: random.Random
-
-    @property
-    def url(self) -> str:
-        return self.vllm.url
-
-    @property
-    def directory(self) -> Path:
-        return self.cache.cfg.directory
-
-    def prompt(self, tokens: int) -> list[int]:
-        return [self.rng.randrange(100, 1000) for _ in range(tokens)]
+    PROMPT_IDS = (100, 1000)
 
     def complete(self, ids: list[int], salt: str | None = None, max_tokens: int = 8) -> Served:
         return complete(self.url, ids, salt, max_tokens)
@@ -101,7 +87,7 @@ class Rig:
         return last
 
     def server_stats(self) -> dict:
-        client = KVKeepClient(socket_path=self.cache.cfg.socket_path, timeout_s=5.0)
+        client = self.client()
         try:
             return client.stats()
         finally:

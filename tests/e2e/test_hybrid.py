@@ -30,10 +30,10 @@ from kvkeep.bench.criterion import same_as_cold, same_as_hit
 from kvkeep.bench.deploy.vllm import LaunchConfig, VLLMServer
 from kvkeep.bench.metrics import kvkeep_tokens
 from kvkeep.serve import CacheServerConfig, CacheServerProcess
-from kvkeep.server.client import KVKeepClient
 
 from .engine import (
     BLOCK,
+    Deployment,
     StoredNamespace,
     complete,
     corrupt_block,
@@ -44,28 +44,13 @@ from .engine import (
 
 pytestmark = pytest.mark.e2e
 
-VOCAB = 8192
 WINDOW = 512
 SLIDING_LAYERS = 5
 WINDOW_BLOCKS = -(-(WINDOW - 1) // BLOCK)  # vLLM's blocks for a sliding hit: 4
 
 
 @dataclass
-class Rig:
-    cache: CacheServerProcess
-    vllm: VLLMServer
-    rng: random.Random
-
-    @property
-    def url(self) -> str:
-        return self.vllm.url
-
-    def prompt(self, tokens: int) -> list[int]:
-        return [self.rng.randrange(100, VOCAB) for _ in range(tokens)]
-
-    def client(self) -> KVKeepClient:
-        return KVKeepClient(socket_path=self.cache.cfg.socket_path, timeout_s=5.0)
-
+class Rig(Deployment):
     def groups(self) -> dict[str, StoredNamespace]:
         """The engine's namespaces by kind and index (``g5/full``, ``g0/swa512``), as the
         cache server recorded them."""

@@ -40,7 +40,13 @@ from pathlib import Path
 import httpx
 
 from kvkeep.bench.deploy import exit_on_sigterm
-from kvkeep.serve import kv_transfer_args, serve_defaults, stop_process_group, with_defaults
+from kvkeep.serve import (
+    flag_value,
+    kv_transfer_args,
+    serve_defaults,
+    stop_process_group,
+    with_defaults,
+)
 from kvkeep.store.redis_process import free_port
 
 SERVED_MODEL_NAME = "kvkeep-tiny"
@@ -130,15 +136,12 @@ def _check_real_weights(model: Path, extra_args: Sequence[str]) -> None:
         raise ValueError(
             f"{model} has no weight files; `kvkeep model tiny {model}` writes seeded weights"
         )
-    for i, arg in enumerate(extra_args):
-        value = arg.partition("=")[2] if arg.startswith("--load-format=") else None
-        if arg == "--load-format" and i + 1 < len(extra_args):
-            value = extra_args[i + 1]
-        if value is not None and value != "auto" and value != "safetensors":
-            raise ValueError(
-                f"--load-format {value}: kvkeep's bench and tests load the model's own weights "
-                "(auto or safetensors), so that replies depend on their context"
-            )
+    value = flag_value(extra_args, "--load-format")
+    if value is not None and value not in ("auto", "safetensors"):
+        raise ValueError(
+            f"--load-format {value}: kvkeep's bench and tests load the model's own weights "
+            "(auto or safetensors), so that replies depend on their context"
+        )
 
 
 def build_command(cfg: LaunchConfig, port: int) -> tuple[list[str], dict[str, str]]:
