@@ -17,7 +17,7 @@ from typing import ClassVar, NamedTuple
 
 import httpx
 
-from kvkeep.bench.criterion import TOP_ALTERNATIVES, Reply
+from kvkeep.bench.criterion import TOP_ALTERNATIVES, Reply, same_as_cold, same_as_hit
 from kvkeep.bench.deploy.vllm import VLLMServer
 from kvkeep.keys import BlockKey, chain_keys, root_key_of
 from kvkeep.serve import CacheServerProcess
@@ -52,6 +52,14 @@ class Deployment:
 
     def client(self) -> KVKeepClient:
         return KVKeepClient(socket_path=self.cache.cfg.socket_path, timeout_s=5.0)
+
+    def corrupt(self, ns: StoredNamespace, ids: list[int], index: int) -> bool:
+        """Flip a byte of the stored block ``index`` of prompt ``ids`` (`corrupt_block`)."""
+        client = self.client()
+        try:
+            return corrupt_block(client, ns, ids, index)
+        finally:
+            client.close()
 
 
 class Served(NamedTuple):
@@ -108,6 +116,21 @@ def reset_device_cache(url: str) -> None:
             return
         time.sleep(0.25)
     raise AssertionError("/reset_prefix_cache did not succeed")
+
+
+def assert_wrong_block_shows(
+    url: str, planted: list[int], control: list[int], refs: list[Reference], blocks: int
+) -> None:
+    """``planted`` has a wrong stored block, ``control`` none; both are stored whole, ``blocks``
+    blocks each, and vLLM's device cache is empty. Both load from kvkeep; the control's reply
+    equals vLLM's own hit, the planted one's differs from it and from the cold run beyond
+    drift. ``refs``: the references of (planted, control)."""
+    reset_device_cache(url)
+    wrong, right = (complete(url, ids) for ids in (planted, control))
+    assert wrong.cached_tokens == right.cached_tokens == blocks * BLOCK
+    assert same_as_hit(right.reply, refs[1].hit), "a correct block failed the strict rule"
+    assert not same_as_hit(wrong.reply, refs[0].hit), "a wrong block went unnoticed"
+    assert not same_as_cold(wrong.reply, refs[0].cold), "a wrong block passed as drift"
 
 
 def _token_id(text: str) -> int:

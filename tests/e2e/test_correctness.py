@@ -40,8 +40,8 @@ from .engine import (
     Deployment,
     StoredNamespace,
     arena_problems,
+    assert_wrong_block_shows,
     complete,
-    corrupt_block,
     corrupt_stored,
     plant_wrong_block,
     reference,
@@ -190,12 +190,7 @@ def test_a_wrong_block_changes_the_reply(rig: Rig) -> None:
         complete(rig.url, ids)
         rig.wait_stored(ids, full_blocks(ids))
     rig.plant_wrong_block(planted, index=5)
-    reset_device_cache(rig.url)
-    wrong, right = (complete(rig.url, ids) for ids in (planted, control))
-    assert wrong.cached_tokens == right.cached_tokens == full_blocks(planted) * BLOCK
-    assert same_as_hit(right.reply, refs[1].hit), "a correct block failed the strict rule"
-    assert not same_as_hit(wrong.reply, refs[0].hit), "a wrong block went unnoticed"
-    assert not same_as_cold(wrong.reply, refs[0].cold), "a wrong block passed as drift"
+    assert_wrong_block_shows(rig.url, planted, control, refs, full_blocks(planted))
     async_loads = rig.counters()["async_load"] - before["async_load"]
     assert async_loads == (2 if rig.asynchronous else 0)
 
@@ -362,11 +357,7 @@ def test_an_async_load_that_fails_mid_way_keeps_its_good_prefix(rig: Rig) -> Non
     ref = reference(rig.url, ids)
     complete(rig.url, ids)
     rig.wait_stored(ids, full_blocks(ids))
-    client = rig.client()
-    try:
-        assert corrupt_block(client, rig.namespace(), ids, 4)
-    finally:
-        client.close()
+    assert rig.corrupt(rig.namespace(), ids, 4)
     before = rig.counters()
     reset_device_cache(rig.url)
     first = complete(rig.url, ids)
