@@ -147,7 +147,7 @@ class CacheServerProcess:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"kvkeep server did not start; see {self.log_path}:\n"
-                                   + _tail(self.log_path))  # fmt: skip
+                                   + log_tail(self.log_path))  # fmt: skip
             time.sleep(0.1)
         return self
 
@@ -174,7 +174,8 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
 
 
-def _tail(path: Path, lines: int = 20) -> str:
+def log_tail(path: Path, lines: int = 20) -> str:
+    """The last ``lines`` lines of a log file ('' if it does not exist)."""
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except FileNotFoundError:

