@@ -1,10 +1,8 @@
 """The kvkeep cache server of a bench run, and the shared store replicas use.
 
-Every scenario that runs in mode kvkeep gets the same cache server, alone or in `bench all`:
-`CacheSpec()`, a RAM tier of BENCH_CACHE_RAM over a disk tier of BENCH_CACHE_DISK
-(`--cache-ram` / `--cache-disk` change both for a run; only `bench soak` has other defaults,
-a small RAM so that the disk tier it corrupts serves). With a shared store, each replica's
-server adds the remote tier (`--remote URL`).
+Every scenario in mode kvkeep gets the same cache server, alone or in `bench all`: `CacheSpec()`
+(`--cache-ram` / `--cache-disk` change it for a run; `bench soak` has its own defaults). With a
+shared store, each replica's server adds the remote tier (`--remote URL`).
 """
 
 from __future__ import annotations
@@ -22,6 +20,8 @@ from typing import Any
 
 from kvkeep.bench.deploy import exit_on_sigterm
 from kvkeep.serve import CacheServerConfig, CacheServerProcess
+from kvkeep.server.client import CacheUnavailable, KVKeepClient
+from kvkeep.store.redis_process import RedisProcess
 from kvkeep.workload import BENCH_CACHE_DISK, BENCH_CACHE_RAM
 
 
@@ -45,10 +45,11 @@ class CacheSpec:
                 str(self.remote_timeout_s), *self.extra_args)  # fmt: skip
 
 
-class CacheServer:
+class CacheServer(CacheServerProcess):
     """A kvkeep cache server process in its own state directory (a fresh temporary one unless
     ``directory`` is given). ``close()`` (or leaving the ``with`` block) stops it and deletes
-    the directory; every other method leaves the directory alone."""
+    the directory; every other method leaves the directory alone. ``stop(timeout_s)``: SIGTERM
+    (it flushes), SIGKILL after ``timeout_s``; idempotent."""
 
     def __init__(
         self,
@@ -59,33 +60,25 @@ class CacheServer:
     ) -> None:
         self.directory = directory or Path(tempfile.mkdtemp(prefix=f"kvkeep-{name}-"))
         cfg = CacheServerConfig(self.directory, spec.ram, spec.disk, None, spec.args(store))
-        self.proc = CacheServerProcess(cfg)
+        super().__init__(cfg)
 
     @property
     def socket(self) -> str:
-        return self.proc.cfg.socket_path
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid
+        return self.cfg.socket_path
 
     def start(self) -> CacheServer:
         """Start it and wait until it listens; raises RuntimeError with its log's tail."""
         exit_on_sigterm()
-        self.proc.ensure()
+        self.ensure()
         return self
-
-    def stop(self, timeout_s: float = 20.0) -> None:
-        """SIGTERM (it flushes), SIGKILL after ``timeout_s``. Idempotent."""
-        self.proc.stop(timeout_s)
 
     def kill(self) -> None:
         """SIGKILL, as a crash: writes in flight may be lost, never integrity."""
-        if self.proc.pid is not None:
+        if self.pid is not None:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self.proc.pid, signal.SIGKILL)
+                os.kill(self.pid, signal.SIGKILL)
             with contextlib.suppress(Exception):
-                self.proc.stop(timeout_s=5)
+                self.stop(timeout_s=5)
 
     def restart(self, how: str = "sigterm") -> None:
         """Stop it (``sigterm``: cleanly; ``sigkill``: a crash) and start it on the same
@@ -99,14 +92,11 @@ class CacheServer:
     def replace_host(self) -> None:
         """Stop it, delete its state and start an empty one: the host was lost and a new
         one took its place (on the same shared store, if any)."""
-        self.stop()
-        shutil.rmtree(self.directory, ignore_errors=True)
+        self.close()
         self.start()
 
     def stats(self) -> dict[str, Any] | None:
         """The server's STATS reply, or None while it is down."""
-        from kvkeep.server.client import CacheUnavailable, KVKeepClient
-
         client = KVKeepClient(socket_path=self.socket, timeout_s=5.0)
         try:
             return client.stats()
@@ -144,8 +134,6 @@ def shared_store(url: str | None = None, maxmemory: str = "2gb") -> Iterator[str
     if url:
         yield url
         return
-    from kvkeep.store.redis_process import RedisProcess
-
     directory = Path(tempfile.mkdtemp(prefix="kvkeep-redis-"))
     server = RedisProcess(directory, maxmemory=maxmemory)
     try:
