@@ -1,10 +1,7 @@
 """`kvkeep bench NAME ...`: one parser and one error handler for every scenario.
 
 Each command is a scenario module's ``add_args`` and ``build`` (`COMMANDS`) plus the argument
-groups it shares with the others: where vLLM runs and what it serves (`--model`, `--log-dir`,
-`--reserved-cpus`, the cache server's `--cache-ram` / `--cache-disk`, `--json`), and, for the
-commands that compare modes, `--modes`, `--endpoint`, the KV pool and `--out`. Every command
-runs through the one mode loop (`suite.run_modes`).
+groups it shares with the others, and runs through the one mode loop (`suite.run_modes`).
 
 Exit codes: 0 when every scenario ran; 1 when one failed (it is named in the output, the
 others still ran; `soak` also when a request failed or an output was wrong); 2 for bad
@@ -32,7 +29,7 @@ from kvkeep.bench.report.environment import environment
 from kvkeep.bench.scenario import Scenario
 from kvkeep.bench.scenarios import agents, capacity, hol, restart, session, soak, store, ttft
 from kvkeep.bench.scenarios import replay as replay_scenario
-from kvkeep.workload import BENCH_CACHE_DISK, BENCH_CACHE_RAM, HFTokenizer
+from kvkeep.workload import BENCH_CACHE_DISK, BENCH_CACHE_RAM, HFTokenizer, SessionSpec
 
 Output = Callable[[dict[str, Any], argparse.Namespace], int]
 
@@ -172,7 +169,7 @@ def _modes(modes: list[str], scenarios: Sequence[Scenario]) -> list[str]:
 def _setup(name: str, args: argparse.Namespace) -> Setup:
     """The run's deployment settings from the command line. Raises ValueError."""
     if not COMMANDS[name].launch:
-        return Setup(LaunchConfig(model=Path(".")), CacheSpec())
+        return Setup(LaunchConfig(model=Path(".")))
     base = LaunchConfig(
         model=args.model,
         kv_pool_gib=getattr(args, "kv_pool_gib", 1.0),
@@ -199,20 +196,20 @@ def _scenarios(name: str, args: argparse.Namespace) -> Sequence[Scenario]:
         size = suite.QUICK if args.quick else suite.FULL
         reference = args.scheduling == "kvkeep" and "vllm" in args.modes and not args.endpoint
         return suite.suite(size, HFTokenizer(args.model), reference)
-    built: Sequence[Scenario] = module.build(args)
-    return built
+    return list(module.build(args))
 
 
 def _document(name: str, results: suite.Results, args: argparse.Namespace) -> dict[str, Any]:
     """One scenario's document, or `bench all`'s; both record the same ``setup``, and file a
     variant ``NAME@TAG`` under NAME (`suite.by_scenario`)."""
-    if name == "all":
+    if name == "all":  # {"scenarios": {name: {"scenario": name, "modes": {mode: result}}}}
         size = suite.QUICK if args.quick else suite.FULL
-        doc = suite.suite_document(results, size)
-        blocks = args.num_blocks or size.pool_blocks
-        doc["setup"] = {"size": "quick" if args.quick else "full", **_setup_record(args, blocks)}
-        return doc
-    doc = {"scenario": name, "modes": {}, "setup": _setup_record(args, args.num_blocks)}
+        docs = {n: {"scenario": n, "modes": m} for n, m in suite.by_scenario(results).items()}
+        docs["session"]["spec"] = {"turns": SessionSpec().turns, "scale": size.session_scale}
+        setup = _setup_record(args, args.num_blocks or size.pool_blocks)
+        return {"scenarios": docs, "setup": {"size": "quick" if args.quick else "full", **setup}}
+    setup = _setup_record(args, args.num_blocks)
+    doc: dict[str, Any] = {"scenario": name, "modes": {}, "setup": setup}
     for scenario, by_mode in suite.by_scenario(results).items():
         doc["scenario"] = scenario
         doc["modes"].update(by_mode)

@@ -256,11 +256,3 @@ def suite(size: Size, counter: TokenCounter, hol_reference: bool = True) -> list
     if hol_reference:  # last: its own deployment, mode vllm only
         out.append(hol_vllm_defaults(1024, size.hol_long))
     return out
-
-
-def suite_document(results: Results, size: Size) -> dict[str, Any]:
-    """{"scenarios": {name: {"scenario": name, "modes": {mode: result}}}}, variants filed
-    under their scenario (`by_scenario`)."""
-    doc = {n: {"scenario": n, "modes": modes} for n, modes in by_scenario(results).items()}
-    doc["session"]["spec"] = {"turns": SessionSpec().turns, "scale": size.session_scale}
-    return {"scenarios": doc}
