@@ -1,11 +1,5 @@
-"""RunContext: what a scenario gets to measure one mode; `Needs`, what it asks for; and
-`deployment`, which builds the first from the second.
-
-`deployment` starts what a scenario's `Needs` ask for (a shared store, one cache server per
-replica in mode kvkeep, and the vLLM replicas, started in parallel) and stops all of it
-afterwards, whatever happens. With `--endpoint` nothing is started and the context holds only
-the URL.
-"""
+"""RunContext: what a scenario gets to measure one mode; `Needs`, what it asks for; `Setup`, a
+run's deployment settings; and `deployment`, which builds the first from the others."""
 
 from __future__ import annotations
 
@@ -100,8 +94,11 @@ class RunContext:
 
 @contextlib.contextmanager
 def deployment(mode: str, cfg: LaunchConfig, needs: Needs, setup: Setup) -> Iterator[RunContext]:
-    """A ready RunContext for ``needs`` in ``mode`` (vLLM from ``cfg``); everything stopped on
-    exit. Raises LaunchError (or RuntimeError from a cache server) if something won't start."""
+    """A ready RunContext for ``needs`` in ``mode``: a shared store if asked, in mode kvkeep one
+    cache server per replica, and the vLLM replicas (from ``cfg``, started in parallel); with
+    ``setup.endpoint`` (or no engine needed) nothing, the context holding only the URL.
+    Everything is stopped on exit. Raises LaunchError (or RuntimeError from a cache server) if
+    something won't start."""
     if setup.endpoint or not needs.engine:
         yield RunContext(mode, cfg.model, endpoint=setup.endpoint)
         return

@@ -1,14 +1,11 @@
 """The Scenario contract: every `kvkeep bench` experiment is one of these.
 
-A scenario says what it needs (`Needs`) and measures in ``run(ctx)``, where `RunContext`
-hands it the deployment of one mode: the URL, probes, the engine to restart and the cache
-server to restart, kill or read. It returns its own frozen result dataclass, which the mode
-loop turns into JSON in one place (`result.to_json`). It never starts vLLM or a cache server
-itself; the one mode loop (`suite.run_modes`) deploys what ``needs()`` asks for,
-the same way whether the scenario runs alone or in `bench all`.
-
-A scenario raises on failure; the mode loop records ``{"error": ...}`` for that mode and goes
-on with the others.
+A scenario says what it needs (`Needs`) and measures one mode in ``run(ctx)`` (`RunContext`:
+the URL, probes, the engine and cache server to restart, kill or read), returning its own
+frozen result dataclass (`result.to_json` gives its JSON). It never starts vLLM or a cache
+server itself: the one mode loop (`suite.run_modes`) deploys what ``needs()`` asks for, alone
+or in `bench all`. It raises on failure; the mode loop records ``{"error": ...}`` for that mode
+and goes on with the others.
 """
 
 from __future__ import annotations
