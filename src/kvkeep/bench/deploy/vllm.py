@@ -13,6 +13,7 @@ can empty the device cache (`/reset_prefix_cache`) in every mode.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import re
 import subprocess
@@ -27,8 +28,9 @@ from pathlib import Path
 import httpx
 
 from kvkeep.bench.deploy import exit_on_sigterm
+from kvkeep.cpu_pool import WEIGHT_SUFFIXES
 from kvkeep.serve import (
-    flag_value,
+    check_weights,
     kv_transfer_args,
     log_tail,
     serve_defaults,
@@ -112,23 +114,14 @@ class LaunchConfig:
         _check_real_weights(self.model, self.extra_args)
 
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
-
-
 def _check_real_weights(model: Path, extra_args: Sequence[str]) -> None:
-    """The bench and the tests judge replies, so vLLM must load real weights: with the
-    random-constant weights vLLM can generate instead, every reply is the same whatever its
-    context, and no comparison could see a wrong KV block. Raises ValueError saying what to do."""
+    """The bench and the tests judge replies, so vLLM must load the model's own weights, never
+    generate them (`serve.check_weights`). Raises ValueError saying what to do."""
     if not any(p.name.endswith(WEIGHT_SUFFIXES) for p in model.iterdir()):
         raise ValueError(
             f"{model} has no weight files; `kvkeep model tiny {model}` writes seeded weights"
         )
-    value = flag_value(extra_args, "--load-format")
-    if value is not None and value not in ("auto", "safetensors"):
-        raise ValueError(
-            f"--load-format {value}: kvkeep's bench and tests load the model's own weights "
-            "(auto or safetensors), so that replies depend on their context"
-        )
+    check_weights(extra_args)
 
 
 def build_command(cfg: LaunchConfig, port: int) -> tuple[list[str], dict[str, str]]:
@@ -258,23 +251,16 @@ class VLLMServer:
 
     def _wait_ready(self, t0: float) -> None:
         assert self.proc is not None
-        deadline = t0 + self.cfg.ready_timeout_s
-        while time.monotonic() < deadline:
-            code = self.proc.poll()
-            if code is not None:
+        while time.monotonic() < t0 + self.cfg.ready_timeout_s:
+            if (code := self.proc.poll()) is not None:
                 raise LaunchError(self._failure(f"vLLM exited with code {code} during start-up"))
-            if self._answers():
-                return
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/v1/models", timeout=2.0).status_code == 200:
+                    return
             time.sleep(0.5)
         raise LaunchError(
             self._failure(f"vLLM was not ready after {self.cfg.ready_timeout_s:.0f} s")
         )
-
-    def _answers(self) -> bool:
-        try:
-            return httpx.get(f"{self.url}/v1/models", timeout=2.0).status_code == 200
-        except httpx.HTTPError:
-            return False
 
     def _failure(self, why: str) -> str:
         tail = log_tail(self.log_path, LOG_TAIL_LINES)
