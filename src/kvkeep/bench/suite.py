@@ -63,29 +63,27 @@ def run_modes(
 
 def _key(needs: Needs, base: LaunchConfig) -> tuple[object, ...]:
     """Scenarios with equal keys share one deployment: what they would launch is the same."""
-    cfg = launch_config(base, needs, 0)
-    return (needs.engine, needs.replicas, needs.shared_store, cfg.num_blocks,
-            cfg.max_num_batched_tokens, cfg.scheduling)  # fmt: skip
+    return (needs.engine, needs.replicas, needs.shared_store, launch_config(base, needs, 0))
 
 
 def _run_group(
     group: list[Scenario], mode: str, setup: Setup, out: Results, bar: tqdm, profile: bool
 ) -> None:
     """One deployment for scenarios that share their needs, each run in turn on it."""
-    needs = [s.needs() for s in group]
-    todo = [s for s, n in zip(group, needs, strict=True) if n.modes is None or mode in n.modes]
+    todo = []
     for s in group:
-        if s not in todo:
+        needs = s.needs()
+        if needs.modes is not None and mode not in needs.modes:
             out[s.name][mode] = {}
-    if setup.endpoint:
-        for s in [s for s in todo if s.needs().own_engine]:
+        elif setup.endpoint and needs.own_engine:
             out[s.name][mode] = _failure(mode, s.name, RuntimeError("it launches its own vLLM"))
-            todo.remove(s)
+        else:
+            todo.append(s)
+    bar.update(len(group) - len(todo))
     if not todo:
-        bar.update(len(group))
         return
-    first = needs[group.index(todo[0])]
-    cfg = launch_config(setup.base, first, max(n.tokens for n in needs))
+    first = todo[0].needs()
+    cfg = launch_config(setup.base, first, max(s.needs().tokens for s in group))
     bar.set_postfix_str(f"{mode}: starting")
     try:
         with deployment(mode, cfg, first, setup) as ctx:
@@ -96,7 +94,6 @@ def _run_group(
     except (LaunchError, RuntimeError) as exc:
         for s in todo:
             out[s.name].setdefault(mode, _failure(mode, s.name, exc))
-    bar.update(len(group) - len(todo))
 
 
 def by_scenario(results: Results) -> Results:
