@@ -108,14 +108,10 @@ def deployment(mode: str, cfg: LaunchConfig, needs: Needs, setup: Setup) -> Iter
         if needs.shared_store and mode == "kvkeep":
             store = stack.enter_context(shared_store(setup.store))
         caches: list[CacheServer] = []
-        if mode == "kvkeep":
-            for i in range(needs.replicas):
-                cache = CacheServer(setup.cache, store, f"replica{i}")
-                caches.append(stack.enter_context(cache))
-        cfgs = [replace(cfg, mode=mode, cache_socket=c.socket) for c in caches] or [
-            replace(cfg, mode=mode)
-        ] * needs.replicas
-        engines = [VLLMServer(c) for c in cfgs]
+        for i in range(needs.replicas if mode == "kvkeep" else 0):
+            caches.append(stack.enter_context(CacheServer(setup.cache, store, f"replica{i}")))
+        sockets: list[str | None] = [c.socket for c in caches] or [None] * needs.replicas
+        engines = [VLLMServer(replace(cfg, mode=mode, cache_socket=s)) for s in sockets]
         for engine in engines:
             stack.callback(engine.stop)
         if len(engines) == 1:
