@@ -8,6 +8,8 @@ import ast
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+
 from kvkeep.bench import cli
 from kvkeep.bench.context import Needs, RunContext, Setup
 from kvkeep.bench.deploy.vllm import LaunchConfig
@@ -117,6 +119,14 @@ def test_modes_narrow_to_what_the_scenarios_need() -> None:
     assert cli._modes(["none", "vllm"], [only_kvkeep]) == ["kvkeep"]
     assert cli._modes(["none", "kvkeep"], [only_kvkeep]) == ["kvkeep"]
     assert cli._modes(["none", "vllm"], [only_kvkeep, anywhere]) == ["none", "vllm"]
+
+
+def test_a_bad_cache_size_is_refused_before_anything_starts(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["session", "--modes", "kvkeep", "--model", str(tiny_model), "--cache-disk", "2 gigs"]
+    assert cli.main(argv) == 2
+    assert "kvkeep bench session: bad size '2 gigs'" in capsys.readouterr().err
 
 
 def test_every_command_parses_its_defaults() -> None:

@@ -22,6 +22,7 @@ from kvkeep.bench.deploy import exit_on_sigterm
 from kvkeep.serve import CacheServerConfig, CacheServerProcess
 from kvkeep.server.client import CacheUnavailable, KVKeepClient
 from kvkeep.store.redis_process import RedisProcess
+from kvkeep.units import parse_size
 from kvkeep.workload import BENCH_CACHE_DISK, BENCH_CACHE_RAM
 
 
@@ -35,6 +36,10 @@ class CacheSpec:
     remote_rate: str = "256MiB"
     remote_timeout_s: float = 0.25
     extra_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        parse_size(self.ram)  # raises ValueError naming the bad size, before anything starts
+        parse_size(self.disk)
 
     def args(self, store: str | None) -> tuple[str, ...]:
         """`kvkeep server` flags beyond the tier sizes. Pure."""
