@@ -1,15 +1,11 @@
 """`kvkeep bench replay` (S7): real Claude Code sessions replayed against the engine.
 
-The sessions and their token ids come from :mod:`kvkeep.plan.replay`, the same requests the
-planner reads, so `kvkeep plan --compare` can set its prediction beside what this measures.
-Each session runs closed-loop on the one agent loop (`bench.http.agent_loop`): a request
-waits for the previous reply, then for the trace's pause times ``--time-scale``; a session
-starts at its arrival offset times ``--time-scale`` (all at once without ``--window``).
-
-Per mode it reports prompt, cached (device and kvkeep, split by tier) and computed tokens;
-TTFT p50/p90/p99; requests per minute; session wall times; the order the requests were sent
-(what the planner replays); and, sampled every ``SAMPLE_S``, the hit rates by tier over time.
-Hit rates are over prompt tokens, from vLLM's counters (`bench.metrics.hit_split`).
+The requests are :mod:`kvkeep.plan.replay`'s, the ones the planner reads, so `kvkeep plan
+--compare` can set its prediction beside what this measures. Each session runs closed-loop on
+`bench.http.agent_loop`: a request waits for the previous reply, then for the trace's pause
+times ``--time-scale``; a session starts at its arrival offset times ``--time-scale`` (all at
+once without ``--window``). Besides the totals, a mode's result holds the order the requests
+were sent (what the planner replays) and the hit rates over time, sampled every ``SAMPLE_S``.
 """
 
 from __future__ import annotations
