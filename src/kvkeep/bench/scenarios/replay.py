@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from kvkeep.bench.context import RunContext
 from kvkeep.bench.http import TurnResult, agent_loop
-from kvkeep.bench.metrics import Counters, Probe, hit_split
+from kvkeep.bench.metrics import Counters, Probe, hit_split, metrics_delta
 from kvkeep.bench.scenario import Needs
 from kvkeep.endpoint import complete_ids, discover_model
 from kvkeep.plan.replay import (
@@ -211,17 +211,14 @@ def timeline(samples: Sequence[tuple[float, Counters]]) -> list[dict[str, float]
     never exceeds 1). Samples where nothing was looked up yet are left out."""
     if not samples:
         return []
-    first = samples[0][1].vllm
     out = []
     for t, counters in samples[1:]:
-        diff = {k: v - first.get(k, 0.0) for k, v in counters.vllm.items()}
-        queries = diff.get("vllm:prefix_cache_queries_total", 0.0)
-        if queries <= 0:
-            continue
-        device = diff.get("vllm:prefix_cache_hits_total", 0.0)
-        external = diff.get("vllm:external_prefix_cache_hits_total", 0.0)
-        out.append({"t_s": t, "device_hit_rate": device / queries,
-                    "kvkeep_hit_rate": external / queries})  # fmt: skip
+        diff = Counters(metrics_delta(samples[0][1].vllm, counters.vllm), {})
+        queries = diff.vllm.get("vllm:prefix_cache_queries_total", 0.0)
+        if queries > 0:
+            rates = hit_split(diff, int(queries))
+            out.append({"t_s": t, "device_hit_rate": rates.device_hit_rate,
+                        "kvkeep_hit_rate": rates.external_hit_rate})  # fmt: skip
     return out
 
 
