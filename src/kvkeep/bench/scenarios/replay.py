@@ -107,14 +107,14 @@ class ReplayScenario:
         t0 = time.perf_counter()
         rows, samples = asyncio.run(_replay(ctx.url, self.replay, probe))
         wall = time.perf_counter() - t0
-        result = summarize(self.replay, rows, probe.delta(before), wall, pool, samples)
-        return result
+        return summarize(self.replay, rows, probe.delta(before), wall, pool, samples)
 
 
 async def _replay(
     url: str, replay: Replay, probe: Probe
 ) -> tuple[list[TurnResult], list[tuple[float, Counters]]]:
-    """Every session closed-loop; the results in send order, and the sampled counters."""
+    """Every session closed-loop; the results in send order (of ``start_s``), and the sampled
+    counters."""
     rows: list[TurnResult] = []
     async with httpx.AsyncClient() as client:
         model = await discover_model(client, url)
@@ -124,12 +124,10 @@ async def _replay(
         await asyncio.sleep(call.pause_s)
         prompt = replay.prompt_ids(call.session, call.turn)
         start = time.perf_counter() - t_run
-        slot = len(rows)
-        rows.append(TurnResult(call.session, call.turn, 0, 0, 0, 0, 0.0, 0.0, start))
         s = await complete_ids(client, url, model, prompt, call.output_tokens)
-        rows[slot] = TurnResult(call.session, call.turn, s.prompt_tokens, s.cached_tokens,
-                                s.prompt_tokens - s.cached_tokens, s.output_tokens, s.ttft_s,
-                                s.latency_s, start)  # fmt: skip
+        rows.append(TurnResult(call.session, call.turn, s.prompt_tokens, s.cached_tokens,
+                               s.prompt_tokens - s.cached_tokens, s.output_tokens, s.ttft_s,
+                               s.latency_s, start))  # fmt: skip
         bar.update()
 
     samples: list[tuple[float, Counters]] = []
@@ -141,7 +139,7 @@ async def _replay(
         finally:
             sampler.cancel()
     samples.append((time.perf_counter() - t_run, await asyncio.to_thread(probe.snapshot)))
-    return rows, samples
+    return sorted(rows, key=lambda r: r.start_s), samples
 
 
 async def _sample(probe: Probe, t_run: float, out: list[tuple[float, Counters]]) -> None:
