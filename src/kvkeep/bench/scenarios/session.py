@@ -21,14 +21,7 @@ from kvkeep.bench.context import RunContext
 from kvkeep.bench.http import TurnResult, run_agents
 from kvkeep.bench.metrics import metrics_delta, vllm_counters
 from kvkeep.bench.scenario import Needs
-from kvkeep.workload import (
-    DEFAULT_SCALE,
-    CharEstimate,
-    HFTokenizer,
-    SessionGenerator,
-    SessionSpec,
-    TokenCounter,
-)
+from kvkeep.workload import CharEstimate, HFTokenizer, SessionGenerator, SessionSpec, TokenCounter
 
 
 def session_tokens(spec: SessionSpec) -> int:
@@ -101,8 +94,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--scale",
         type=float,
-        default=DEFAULT_SCALE,
-        help=f"multiply every size by this (default {DEFAULT_SCALE})",
+        default=d.scale,
+        help=f"multiply every size by this (default {d.scale})",
     )
     p.add_argument("--max-output-tokens", type=int, default=d.max_output_tokens)
     p.add_argument("--seed", type=int, default=d.seed)
