@@ -22,7 +22,7 @@ import asyncio
 import functools
 import operator
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tqdm import tqdm
 
@@ -139,11 +139,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def build(args: argparse.Namespace) -> list[AgentsScenario]:
     spec, counter = session.session_spec(args), session.token_counter(args)
-    if args.replicas > 1:
-        store = "no shared store" if args.no_shared_store else "shared store"
-        return [AgentsScenario(spec, counter, agents=args.agents, tool_delay_s=args.tool_delay,
-                               replicas=args.replicas, shared_store=not args.no_shared_store,
-                               name=f"agents_replicas@{store}")]  # fmt: skip
-    pool = args.num_blocks * 128 if args.num_blocks else None
-    return [AgentsScenario(spec, counter, agents=args.agents, tool_delay_s=args.tool_delay,
-                           pool_tokens=pool)]  # fmt: skip
+    one = AgentsScenario(spec, counter, agents=args.agents, tool_delay_s=args.tool_delay)
+    if args.replicas <= 1:
+        return [replace(one, pool_tokens=args.num_blocks * 128 if args.num_blocks else None)]
+    shared = not args.no_shared_store
+    name = f"agents_replicas@{'shared store' if shared else 'no shared store'}"
+    return [replace(one, replicas=args.replicas, shared_store=shared, name=name)]
