@@ -1,13 +1,8 @@
 """`kvkeep bench agents` (S5): N coding agents on one engine, closed loop.
 
-Each agent runs its own session from the workload generator: it sends a turn, waits for the
-whole answer, "runs" its tool for `tool_delay_s`, then sends the next turn. Throughput is turns
-per minute across all agents; the wait per turn is the request latency an agent sees. The study
-saw about 8 turns/min without caching and about 60 with it, and a late turn's wait fall from
-about 104 s to 2.1 s.
-
-Whether caching helps depends on whether the agents' working set (every agent's context)
-fits in the device pool, so the scenario reports that ratio next to the results.
+Each agent runs its own generated session: it sends a turn, waits for the whole answer, "runs"
+its tool for `tool_delay_s`, then sends the next turn. Whether caching helps depends on whether
+the agents' working set fits in the device pool, so the result holds that ratio (`PoolFit`).
 
 With `--replicas N` (mode kvkeep), the agents' turns go round-robin over N vLLMs, each with
 its own cache server, as on separate hosts: a turn's prefix was computed on another replica,

@@ -6,13 +6,10 @@ that a fix which only moves the wait onto the large prompt shows. In mode kvkeep
 device cache is emptied before each short request, so its tokens come from kvkeep's cache
 server: the number includes kvkeep's own load.
 
-Why it waits: vLLM schedules running requests first, and a running prefill takes the whole
-chunk budget (`--max-num-batched-tokens`) each step, so a new request waits for the whole
-prefill. `--long-prefill-token-threshold` caps what one prefill takes per step while another
-request waits (vLLM lifts the cap when the prefill runs alone). Every mode runs with the
-budget and cap `kvkeep serve` sets (`--scheduling kvkeep`, the default), and mode vllm once
-more with vLLM's own defaults, for comparison (results under `vllm@vllm-defaults`). With
-`--budgets`, each budget is its own deployment and its results are under `MODE@BUDGET`.
+Why it waits, and what `--max-num-batched-tokens` and `--long-prefill-token-threshold` change:
+README, "Head-of-line blocking". Every mode runs with `kvkeep serve`'s scheduling, and mode
+vllm once more with vLLM's own (`vllm@vllm-defaults`); with `--budgets`, each budget is its
+own deployment and its results are under `MODE@BUDGET`.
 """
 
 from __future__ import annotations

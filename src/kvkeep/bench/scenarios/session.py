@@ -1,7 +1,5 @@
-"""`kvkeep bench session` (S1): one coding-agent session, turn by turn.
-
-Per turn: prompt, cached and computed tokens and TTFT; the totals the study quotes (115k
-tokens on the last turn and more than 2M in all at scale 1, ten times less with a cache).
+"""`kvkeep bench session` (S1): one coding-agent session, turn by turn: per turn the prompt,
+cached and computed tokens and TTFT, and the totals the study quotes (DESIGN.md, S1).
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
-"""`kvkeep bench ttft` (S2): one long prompt sent cold, then again right away, for each size.
-
-``warm_s`` is the median of WARM_SENDS sends (one sample is at the mercy of whatever else
-the machine does at that moment); each is in ``warm_samples_s``.
+"""`kvkeep bench ttft` (S2): one long prompt sent cold, then WARM_SENDS times more, per size;
+``warm_s`` is their median (one sample is at the mercy of whatever else the machine does).
 
 With ``--restart``, vLLM is then restarted once (the kvkeep cache server keeps running) and
-every size is sent a third time: ``after_restart_s``, ``hit_rate_after_restart`` (cached
-prompt tokens over prompt tokens, less any kvkeep load that failed and was recomputed) and
-``restart_ready_s``.
+every size is sent again (`AfterRestart`: its hit rate leaves out kvkeep loads that failed and
+were recomputed).
 """
 
 from __future__ import annotations
