@@ -39,6 +39,7 @@ from kvkeep.plan.replay import (
 )
 
 SAMPLE_S = 2.0  # how often the counters are read for the hit rate over time
+Sample = tuple[float, Counters]  # (seconds since the replay started, the counters then)
 
 
 @dataclass(frozen=True)
@@ -110,9 +111,7 @@ class ReplayScenario:
         return summarize(self.replay, rows, probe.delta(before), wall, pool, samples)
 
 
-async def _replay(
-    url: str, replay: Replay, probe: Probe
-) -> tuple[list[TurnResult], list[tuple[float, Counters]]]:
+async def _replay(url: str, replay: Replay, probe: Probe) -> tuple[list[TurnResult], list[Sample]]:
     """Every session closed-loop; the results in send order (of ``start_s``), and the sampled
     counters."""
     rows: list[TurnResult] = []
@@ -130,7 +129,7 @@ async def _replay(
                                s.latency_s, start))  # fmt: skip
         bar.update()
 
-    samples: list[tuple[float, Counters]] = []
+    samples: list[Sample] = []
     with tqdm(total=replay.requests, desc=f"  {len(replay.sessions)} sessions' requests",
               leave=False) as bar:  # fmt: skip
         sampler = asyncio.create_task(_sample(probe, t_run, samples))
@@ -142,9 +141,9 @@ async def _replay(
     return sorted(rows, key=lambda r: r.start_s), samples
 
 
-async def _sample(probe: Probe, t_run: float, out: list[tuple[float, Counters]]) -> None:
-    """Append (seconds since the start, counters) every SAMPLE_S until cancelled; a scrape
-    that fails is skipped (the plot has a gap, the replay goes on)."""
+async def _sample(probe: Probe, t_run: float, out: list[Sample]) -> None:
+    """Append a sample every SAMPLE_S until cancelled; a scrape that fails is skipped (the plot
+    has a gap, the replay goes on)."""
     while True:
         with contextlib.suppress(httpx.HTTPError):
             out.append((time.perf_counter() - t_run, await asyncio.to_thread(probe.snapshot)))
@@ -157,7 +156,7 @@ def summarize(
     delta: Counters,
     wall_s: float,
     pool: int | None,
-    samples: Sequence[tuple[float, Counters]] = (),
+    samples: Sequence[Sample] = (),
 ) -> ReplayResult:
     """The result of one mode from its requests (send order), the counters' increase over
     the run and the counters sampled during it."""
@@ -203,7 +202,7 @@ def _session_walls(rows: list[TurnResult]) -> list[float]:
     return [hi - lo for lo, hi in spans.values()] or [0.0]
 
 
-def timeline(samples: Sequence[tuple[float, Counters]]) -> list[dict[str, float]]:
+def timeline(samples: Sequence[Sample]) -> list[dict[str, float]]:
     """Hit rates by tier from the first sample to each later one, over the prompt tokens vLLM
     looked up in between (``prefix_cache_queries``, counted when the hits are, so a rate
     never exceeds 1). Samples where nothing was looked up yet are left out."""
