@@ -135,12 +135,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def build(args: argparse.Namespace) -> list[HOLScenario]:
-    if not args.budgets:
-        budget = args.max_num_batched_tokens
-        out = [HOLScenario(args.short_tokens, args.long_tokens, budget=budget)]
-    else:
+    if args.budgets:
         out = [HOLScenario(args.short_tokens, args.long_tokens, budget=b, name=f"hol@{b}")
                for b in args.budgets]  # fmt: skip
+    else:
+        out = [HOLScenario(args.short_tokens, args.long_tokens, budget=args.max_num_batched_tokens)]
     if args.scheduling == "kvkeep" and "vllm" in args.modes and not args.endpoint:
         out.append(reference(args.short_tokens, args.long_tokens))
     return out
