@@ -136,7 +136,6 @@ class CapacityScenario:
         )  # fmt: skip
 
     def _round(self, probe: Probe, docs: list[list[int]], r: int, bar: tqdm) -> CapacityRound:
-        """Every document once, with round ``r``'s question."""
         t0 = time.perf_counter()
         q = query(probe, docs, self.spec.block_size, salt=r, progress=bar.update)
         return CapacityRound(r, q.rates, q.ttft_s, statistics.median(q.ttfts_s), q.cacheable,

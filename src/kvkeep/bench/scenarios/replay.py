@@ -95,7 +95,6 @@ class ReplayScenario:
         return Needs(tokens=tokens, num_blocks=self.num_blocks)
 
     def run(self, ctx: RunContext) -> ReplayResult:
-        """Replay every session in this mode."""
         pool = ctx.engine.cfg.num_blocks if ctx.engines else None
         if ctx.engines and self.replay.max_tokens() > ctx.engine.cfg.max_model_len:
             raise ValueError(
