@@ -1,13 +1,8 @@
 """`kvkeep bench agents` (S5): N coding agents on one engine, closed loop.
 
-Each agent runs its own session from the workload generator: it sends a turn, waits for the
-whole answer, "runs" its tool for `tool_delay_s`, then sends the next turn. Throughput is turns
-per minute across all agents; the wait per turn is the request latency an agent sees. The study
-saw about 8 turns/min without caching and about 60 with it, and a late turn's wait fall from
-about 104 s to 2.1 s.
-
-Whether caching helps depends on whether the agents' working set (every agent's context)
-fits in the device pool, so the scenario reports that ratio next to the results.
+Each agent runs its own generated session: it sends a turn, waits for the whole answer, "runs"
+its tool for `tool_delay_s`, then sends the next turn. Whether caching helps depends on whether
+the agents' working set fits in the device pool, so the result holds that ratio (`PoolFit`).
 
 With `--replicas N` (mode kvkeep), the agents' turns go round-robin over N vLLMs, each with
 its own cache server, as on separate hosts: a turn's prefix was computed on another replica,
@@ -22,7 +17,7 @@ import asyncio
 import functools
 import operator
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tqdm import tqdm
 
@@ -139,11 +134,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def build(args: argparse.Namespace) -> list[AgentsScenario]:
     spec, counter = session.session_spec(args), session.token_counter(args)
-    if args.replicas > 1:
-        store = "no shared store" if args.no_shared_store else "shared store"
-        return [AgentsScenario(spec, counter, agents=args.agents, tool_delay_s=args.tool_delay,
-                               replicas=args.replicas, shared_store=not args.no_shared_store,
-                               name=f"agents_replicas@{store}")]  # fmt: skip
-    pool = args.num_blocks * 128 if args.num_blocks else None
-    return [AgentsScenario(spec, counter, agents=args.agents, tool_delay_s=args.tool_delay,
-                           pool_tokens=pool)]  # fmt: skip
+    one = AgentsScenario(spec, counter, agents=args.agents, tool_delay_s=args.tool_delay)
+    if args.replicas <= 1:
+        return [replace(one, pool_tokens=args.num_blocks * 128 if args.num_blocks else None)]
+    shared = not args.no_shared_store
+    name = f"agents_replicas@{'shared store' if shared else 'no shared store'}"
+    return [replace(one, replicas=args.replicas, shared_store=shared, name=name)]

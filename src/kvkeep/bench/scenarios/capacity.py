@@ -1,16 +1,11 @@
 """`kvkeep bench capacity` (S3): more long documents than the device pool holds.
 
 N documents whose KV totals `k` times the device pool are queried in tile order (1, 2, ...,
-N, 1, 2, ...) for several rounds, each query being the document plus a short question. Under
-LRU a cyclic scan larger than the cache never hits: the device tier's hit rate falls to 0,
-which is what the study saw with 48 documents on one GPU. A larger tier below it (vLLM's CPU
-offload there, kvkeep's RAM and disk here) brings the hits back.
+N, 1, 2, ...) for several rounds, each query the document plus a short question. Under LRU a
+cyclic scan larger than the cache never hits, so the device hit rate falls to 0 and the hits
+must come from a larger tier below it. The first round only fills the caches: not measured.
 
-The first round only fills the caches and is not measured. Documents are whole blocks long,
-so a perfect cache serves every document token (`cacheable_tokens`).
-
-"k times the pool" counts pool blocks, as vLLM holds them for the model: a sliding-window
-model's document holds fewer tokens' worth of blocks per group but one set per KV cache
+"k times the pool" counts pool blocks as vLLM holds them for the model, one set per KV cache
 group (`kvkeep.plan.pool`), so the number of documents comes from the model's config.json.
 """
 
@@ -141,7 +136,6 @@ class CapacityScenario:
         )  # fmt: skip
 
     def _round(self, probe: Probe, docs: list[list[int]], r: int, bar: tqdm) -> CapacityRound:
-        """Every document once, with round ``r``'s question."""
         t0 = time.perf_counter()
         q = query(probe, docs, self.spec.block_size, salt=r, progress=bar.update)
         return CapacityRound(r, q.rates, q.ttft_s, statistics.median(q.ttfts_s), q.cacheable,

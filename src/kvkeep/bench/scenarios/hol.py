@@ -6,13 +6,10 @@ that a fix which only moves the wait onto the large prompt shows. In mode kvkeep
 device cache is emptied before each short request, so its tokens come from kvkeep's cache
 server: the number includes kvkeep's own load.
 
-Why it waits: vLLM schedules running requests first, and a running prefill takes the whole
-chunk budget (`--max-num-batched-tokens`) each step, so a new request waits for the whole
-prefill. `--long-prefill-token-threshold` caps what one prefill takes per step while another
-request waits (vLLM lifts the cap when the prefill runs alone). Every mode runs with the
-budget and cap `kvkeep serve` sets (`--scheduling kvkeep`, the default), and mode vllm once
-more with vLLM's own defaults, for comparison (results under `vllm@vllm-defaults`). With
-`--budgets`, each budget is its own deployment and its results are under `MODE@BUDGET`.
+Why it waits, and what `--max-num-batched-tokens` and `--long-prefill-token-threshold` change:
+README, "Head-of-line blocking". Every mode runs with `kvkeep serve`'s scheduling, and mode
+vllm once more with vLLM's own (`vllm@vllm-defaults`); with `--budgets`, each budget is its
+own deployment and its results are under `MODE@BUDGET`.
 """
 
 from __future__ import annotations
@@ -74,42 +71,6 @@ class HOLScenario:
     def run(self, ctx: RunContext) -> HOLResult:
         from_kvkeep = ctx.mode == "kvkeep"
         times = asyncio.run(self._run(ctx.url, from_kvkeep))
-        return self._result(times, ctx, from_kvkeep)
-
-    def _ids(self, n: int, salt: object) -> list[int]:
-        return random_ids(n, f"hol:{self.seed}:{salt}")
-
-    async def _run(self, url: str, from_kvkeep: bool) -> dict[str, list[StreamStats]]:
-        """Every timed request, by kind: short alone and beside, long alone and beside."""
-        short = self._ids(self.short_tokens, "short")
-        out: dict[str, list[StreamStats]] = {"alone": [], "beside": [], "long": [], "both": []}
-        async with httpx.AsyncClient() as client:
-            model = await discover_model(client, url)
-
-            async def cached_short() -> StreamStats:
-                if from_kvkeep:  # from kvkeep's server, not vLLM's device cache
-                    await asyncio.to_thread(reset_device_cache, url)
-                return await complete_ids(client, url, model, short)
-
-            await complete_ids(client, url, model, short)  # cache it
-            for _ in range(REPEATS):
-                out["alone"].append(await cached_short())
-            for i in range(REPEATS):
-                cold = self._ids(self.long_tokens, f"alone:{i}:{time.time_ns()}")
-                out["long"].append(await complete_ids(client, url, model, cold))
-            for i in range(REPEATS):
-                if from_kvkeep:
-                    await asyncio.to_thread(reset_device_cache, url)
-                cold = self._ids(self.long_tokens, f"long:{i}:{time.time_ns()}")
-                big = asyncio.create_task(complete_ids(client, url, model, cold))
-                await asyncio.sleep(self.head_start_s)
-                out["beside"].append(await complete_ids(client, url, model, short))
-                out["both"].append(await big)
-        return out
-
-    def _result(
-        self, times: dict[str, list[StreamStats]], ctx: RunContext, from_kvkeep: bool
-    ) -> HOLResult:
         med = {k: statistics.median(s.ttft_s for s in v) for k, v in times.items()}
         budget, threshold = _scheduling(ctx)
         return HOLResult(
@@ -127,21 +88,43 @@ class HOLScenario:
             long_prefill_token_threshold=threshold,
         )
 
+    def _ids(self, n: int, salt: object) -> list[int]:
+        return random_ids(n, f"hol:{self.seed}:{salt}")
+
+    async def _run(self, url: str, from_kvkeep: bool) -> dict[str, list[StreamStats]]:
+        """Every timed request, by kind: short alone and beside, long alone and beside."""
+        short = self._ids(self.short_tokens, "short")
+        out: dict[str, list[StreamStats]] = {"alone": [], "beside": [], "long": [], "both": []}
+        async with httpx.AsyncClient() as client:
+            model = await discover_model(client, url)
+            await complete_ids(client, url, model, short)  # cache it
+            for _ in range(REPEATS):
+                if from_kvkeep:  # from kvkeep's server, not vLLM's device cache
+                    await asyncio.to_thread(reset_device_cache, url)
+                out["alone"].append(await complete_ids(client, url, model, short))
+            for i in range(REPEATS):
+                cold = self._ids(self.long_tokens, f"alone:{i}:{time.time_ns()}")
+                out["long"].append(await complete_ids(client, url, model, cold))
+            for i in range(REPEATS):
+                if from_kvkeep:
+                    await asyncio.to_thread(reset_device_cache, url)
+                cold = self._ids(self.long_tokens, f"long:{i}:{time.time_ns()}")
+                big = asyncio.create_task(complete_ids(client, url, model, cold))
+                await asyncio.sleep(self.head_start_s)
+                out["beside"].append(await complete_ids(client, url, model, short))
+                out["both"].append(await big)
+        return out
+
 
 def _ratio(a: float, b: float) -> float | None:
     return a / b if b > 0 else None
 
 
-def _scheduling(ctx: RunContext) -> tuple[int | None, int | None]:
-    """(--max-num-batched-tokens, --long-prefill-token-threshold) vLLM was started with."""
-    if not ctx.engines:
-        return None, None
-    engine = ctx.engines[0]
-    argv = build_command(engine.cfg, engine.port)[0]
-    values = [flag_value(argv, f) for f in ("--max-num-batched-tokens",
-                                             "--long-prefill-token-threshold")]  # fmt: skip
-    budget, threshold = (int(v) if v else None for v in values)
-    return budget, threshold
+def _scheduling(ctx: RunContext) -> list[int | None]:
+    """[--max-num-batched-tokens, --long-prefill-token-threshold] vLLM was started with."""
+    argv = build_command(ctx.engine.cfg, ctx.engine.port)[0] if ctx.engines else []
+    flags = ("--max-num-batched-tokens", "--long-prefill-token-threshold")
+    return [int(v) if (v := flag_value(argv, f)) else None for f in flags]
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -152,12 +135,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def build(args: argparse.Namespace) -> list[HOLScenario]:
-    if not args.budgets:
-        budget = args.max_num_batched_tokens
-        out = [HOLScenario(args.short_tokens, args.long_tokens, budget=budget)]
-    else:
+    if args.budgets:
         out = [HOLScenario(args.short_tokens, args.long_tokens, budget=b, name=f"hol@{b}")
                for b in args.budgets]  # fmt: skip
+    else:
+        out = [HOLScenario(args.short_tokens, args.long_tokens, budget=args.max_num_batched_tokens)]
     if args.scheduling == "kvkeep" and "vllm" in args.modes and not args.endpoint:
         out.append(reference(args.short_tokens, args.long_tokens))
     return out

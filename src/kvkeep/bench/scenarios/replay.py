@@ -1,15 +1,11 @@
 """`kvkeep bench replay` (S7): real Claude Code sessions replayed against the engine.
 
-The sessions and their token ids come from :mod:`kvkeep.plan.replay`, the same requests the
-planner reads, so `kvkeep plan --compare` can set its prediction beside what this measures.
-Each session runs closed-loop on the one agent loop (`bench.http.agent_loop`): a request
-waits for the previous reply, then for the trace's pause times ``--time-scale``; a session
-starts at its arrival offset times ``--time-scale`` (all at once without ``--window``).
-
-Per mode it reports prompt, cached (device and kvkeep, split by tier) and computed tokens;
-TTFT p50/p90/p99; requests per minute; session wall times; the order the requests were sent
-(what the planner replays); and, sampled every ``SAMPLE_S``, the hit rates by tier over time.
-Hit rates are over prompt tokens, from vLLM's counters (`bench.metrics.hit_split`).
+The requests are :mod:`kvkeep.plan.replay`'s, the ones the planner reads, so `kvkeep plan
+--compare` can set its prediction beside what this measures. Each session runs closed-loop on
+`bench.http.agent_loop`: a request waits for the previous reply, then for the trace's pause
+times ``--time-scale``; a session starts at its arrival offset times ``--time-scale`` (all at
+once without ``--window``). Besides the totals, a mode's result holds the order the requests
+were sent (what the planner replays) and the hit rates over time, sampled every ``SAMPLE_S``.
 """
 
 from __future__ import annotations
@@ -30,7 +26,7 @@ from tqdm import tqdm
 
 from kvkeep.bench.context import RunContext
 from kvkeep.bench.http import TurnResult, agent_loop
-from kvkeep.bench.metrics import Counters, Probe, hit_split
+from kvkeep.bench.metrics import Counters, Probe, hit_split, metrics_delta
 from kvkeep.bench.scenario import Needs
 from kvkeep.endpoint import complete_ids, discover_model
 from kvkeep.plan.replay import (
@@ -43,6 +39,7 @@ from kvkeep.plan.replay import (
 )
 
 SAMPLE_S = 2.0  # how often the counters are read for the hit rate over time
+Sample = tuple[float, Counters]  # (seconds since the replay started, the counters then)
 
 
 @dataclass(frozen=True)
@@ -98,7 +95,6 @@ class ReplayScenario:
         return Needs(tokens=tokens, num_blocks=self.num_blocks)
 
     def run(self, ctx: RunContext) -> ReplayResult:
-        """Replay every session in this mode."""
         pool = ctx.engine.cfg.num_blocks if ctx.engines else None
         if ctx.engines and self.replay.max_tokens() > ctx.engine.cfg.max_model_len:
             raise ValueError(
@@ -111,14 +107,12 @@ class ReplayScenario:
         t0 = time.perf_counter()
         rows, samples = asyncio.run(_replay(ctx.url, self.replay, probe))
         wall = time.perf_counter() - t0
-        result = summarize(self.replay, rows, probe.delta(before), wall, pool, samples)
-        return result
+        return summarize(self.replay, rows, probe.delta(before), wall, pool, samples)
 
 
-async def _replay(
-    url: str, replay: Replay, probe: Probe
-) -> tuple[list[TurnResult], list[tuple[float, Counters]]]:
-    """Every session closed-loop; the results in send order, and the sampled counters."""
+async def _replay(url: str, replay: Replay, probe: Probe) -> tuple[list[TurnResult], list[Sample]]:
+    """Every session closed-loop; the results in send order (of ``start_s``), and the sampled
+    counters."""
     rows: list[TurnResult] = []
     async with httpx.AsyncClient() as client:
         model = await discover_model(client, url)
@@ -128,15 +122,13 @@ async def _replay(
         await asyncio.sleep(call.pause_s)
         prompt = replay.prompt_ids(call.session, call.turn)
         start = time.perf_counter() - t_run
-        slot = len(rows)
-        rows.append(TurnResult(call.session, call.turn, 0, 0, 0, 0, 0.0, 0.0, start))
         s = await complete_ids(client, url, model, prompt, call.output_tokens)
-        rows[slot] = TurnResult(call.session, call.turn, s.prompt_tokens, s.cached_tokens,
-                                s.prompt_tokens - s.cached_tokens, s.output_tokens, s.ttft_s,
-                                s.latency_s, start)  # fmt: skip
+        rows.append(TurnResult(call.session, call.turn, s.prompt_tokens, s.cached_tokens,
+                               s.prompt_tokens - s.cached_tokens, s.output_tokens, s.ttft_s,
+                               s.latency_s, start))  # fmt: skip
         bar.update()
 
-    samples: list[tuple[float, Counters]] = []
+    samples: list[Sample] = []
     with tqdm(total=replay.requests, desc=f"  {len(replay.sessions)} sessions' requests",
               leave=False) as bar:  # fmt: skip
         sampler = asyncio.create_task(_sample(probe, t_run, samples))
@@ -145,12 +137,12 @@ async def _replay(
         finally:
             sampler.cancel()
     samples.append((time.perf_counter() - t_run, await asyncio.to_thread(probe.snapshot)))
-    return rows, samples
+    return sorted(rows, key=lambda r: r.start_s), samples
 
 
-async def _sample(probe: Probe, t_run: float, out: list[tuple[float, Counters]]) -> None:
-    """Append (seconds since the start, counters) every SAMPLE_S until cancelled; a scrape
-    that fails is skipped (the plot has a gap, the replay goes on)."""
+async def _sample(probe: Probe, t_run: float, out: list[Sample]) -> None:
+    """Append a sample every SAMPLE_S until cancelled; a scrape that fails is skipped (the plot
+    has a gap, the replay goes on)."""
     while True:
         with contextlib.suppress(httpx.HTTPError):
             out.append((time.perf_counter() - t_run, await asyncio.to_thread(probe.snapshot)))
@@ -163,7 +155,7 @@ def summarize(
     delta: Counters,
     wall_s: float,
     pool: int | None,
-    samples: Sequence[tuple[float, Counters]] = (),
+    samples: Sequence[Sample] = (),
 ) -> ReplayResult:
     """The result of one mode from its requests (send order), the counters' increase over
     the run and the counters sampled during it."""
@@ -209,23 +201,20 @@ def _session_walls(rows: list[TurnResult]) -> list[float]:
     return [hi - lo for lo, hi in spans.values()] or [0.0]
 
 
-def timeline(samples: Sequence[tuple[float, Counters]]) -> list[dict[str, float]]:
+def timeline(samples: Sequence[Sample]) -> list[dict[str, float]]:
     """Hit rates by tier from the first sample to each later one, over the prompt tokens vLLM
     looked up in between (``prefix_cache_queries``, counted when the hits are, so a rate
     never exceeds 1). Samples where nothing was looked up yet are left out."""
     if not samples:
         return []
-    first = samples[0][1].vllm
     out = []
     for t, counters in samples[1:]:
-        diff = {k: v - first.get(k, 0.0) for k, v in counters.vllm.items()}
-        queries = diff.get("vllm:prefix_cache_queries_total", 0.0)
-        if queries <= 0:
-            continue
-        device = diff.get("vllm:prefix_cache_hits_total", 0.0)
-        external = diff.get("vllm:external_prefix_cache_hits_total", 0.0)
-        out.append({"t_s": t, "device_hit_rate": device / queries,
-                    "kvkeep_hit_rate": external / queries})  # fmt: skip
+        diff = Counters(metrics_delta(samples[0][1].vllm, counters.vllm), {})
+        queries = diff.vllm.get("vllm:prefix_cache_queries_total", 0.0)
+        if queries > 0:
+            rates = hit_split(diff, int(queries))
+            out.append({"t_s": t, "device_hit_rate": rates.device_hit_rate,
+                        "kvkeep_hit_rate": rates.external_hit_rate})  # fmt: skip
     return out
 
 

@@ -1,7 +1,5 @@
-"""`kvkeep bench session` (S1): one coding-agent session, turn by turn.
-
-Per turn: prompt, cached and computed tokens and TTFT; the totals the study quotes (115k
-tokens on the last turn and more than 2M in all at scale 1, ten times less with a cache).
+"""`kvkeep bench session` (S1): one coding-agent session, turn by turn: per turn the prompt,
+cached and computed tokens and TTFT, and the totals the study quotes (DESIGN.md, S1).
 """
 
 from __future__ import annotations
@@ -21,14 +19,7 @@ from kvkeep.bench.context import RunContext
 from kvkeep.bench.http import TurnResult, run_agents
 from kvkeep.bench.metrics import metrics_delta, vllm_counters
 from kvkeep.bench.scenario import Needs
-from kvkeep.workload import (
-    DEFAULT_SCALE,
-    CharEstimate,
-    HFTokenizer,
-    SessionGenerator,
-    SessionSpec,
-    TokenCounter,
-)
+from kvkeep.workload import CharEstimate, HFTokenizer, SessionGenerator, SessionSpec, TokenCounter
 
 
 def session_tokens(spec: SessionSpec) -> int:
@@ -101,8 +92,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--scale",
         type=float,
-        default=DEFAULT_SCALE,
-        help=f"multiply every size by this (default {DEFAULT_SCALE})",
+        default=d.scale,
+        help=f"multiply every size by this (default {d.scale})",
     )
     p.add_argument("--max-output-tokens", type=int, default=d.max_output_tokens)
     p.add_argument("--seed", type=int, default=d.seed)

@@ -1,12 +1,9 @@
-"""`kvkeep bench ttft` (S2): one long prompt sent cold, then again right away, for each size.
-
-``warm_s`` is the median of WARM_SENDS sends (one sample is at the mercy of whatever else
-the machine does at that moment); each is in ``warm_samples_s``.
+"""`kvkeep bench ttft` (S2): one long prompt sent cold, then WARM_SENDS times more, per size;
+``warm_s`` is their median (one sample is at the mercy of whatever else the machine does).
 
 With ``--restart``, vLLM is then restarted once (the kvkeep cache server keeps running) and
-every size is sent a third time: ``after_restart_s``, ``hit_rate_after_restart`` (cached
-prompt tokens over prompt tokens, less any kvkeep load that failed and was recomputed) and
-``restart_ready_s``.
+every size is sent again (`AfterRestart`: its hit rate leaves out kvkeep loads that failed and
+were recomputed).
 """
 
 from __future__ import annotations
@@ -67,8 +64,6 @@ class TTFTScenario:
     seed: int = 0
     restart: bool = False
     name: str = "ttft"
-    # Distinct per scenario object, so that one run's canary is never another run's.
-    _run_id: int = field(default_factory=time.time_ns)
 
     def needs(self) -> Needs:
         return Needs(tokens=max(self.sizes) + 64, own_engine=self.restart)
@@ -77,58 +72,48 @@ class TTFTScenario:
         return asyncio.run(self._run(ctx))
 
     async def _run(self, ctx: RunContext) -> TTFTResult:
-        out: dict[str, SizeTTFT] = {}
-        prompts = {size: random_ids(size, f"ttft:{self.seed}:{size}:{time.time_ns()}")
-                   for size in self.sizes}  # fmt: skip
+        run = f"{self.seed}:{time.time_ns()}"  # no prompt is one an earlier run cached
+        prompts = {size: random_ids(size, f"ttft:{run}:{size}") for size in self.sizes}
+        # The first requests after a start are slow (and, with a connector, the first load maps
+        # the arena); a canary of a few full blocks and a tail takes those costs for every mode.
+        canary = random_ids(4 * 128 + 16, f"ttft-canary:{run}")
         async with httpx.AsyncClient() as client:
-            url = ctx.url
-            model = await discover_model(client, url)
-            # The first requests after a start are slow (and, with a connector, the first
-            # load maps the arena); a canary of a few blocks takes those costs for every mode.
-            await complete_ids(client, url, model, self._canary())
-            await complete_ids(client, url, model, self._canary())
+            model = await discover_model(client, ctx.url)
+            await complete_ids(client, ctx.url, model, canary)
+            await complete_ids(client, ctx.url, model, canary)
+            out: dict[str, SizeTTFT] = {}
             for size in tqdm(self.sizes, desc="  ttft sizes", leave=False):
-                out[str(size)] = await self._cold_warm(client, url, model, prompts[size])
-            if self.restart:
-                ready = ctx.engine.restart()
-                print(f"  vLLM restarted, ready {ready:.1f} s after the stop began",
-                      file=sys.stderr)  # fmt: skip
-                await self._after_restart(client, ctx.url, ready, prompts, out)
+                out[str(size)] = await _cold_warm(client, ctx.url, model, prompts[size])
+            if not self.restart:
+                return TTFTResult(out)
+            ready = ctx.engine.restart()
+            print(f"  vLLM restarted, ready {ready:.1f} s after the stop began", file=sys.stderr)
+            await complete_ids(client, ctx.url, model, canary)  # loaded from kvkeep, if any
+            for size, ids in prompts.items():
+                after = await _after_restart(client, ctx.url, model, ids, ready)
+                out[str(size)] = replace(out[str(size)], after=after)
         return TTFTResult(out)
 
-    async def _cold_warm(
-        self, client: httpx.AsyncClient, url: str, model: str, ids: list[int]
-    ) -> SizeTTFT:
-        cold = await complete_ids(client, url, model, ids)
-        warms = [await complete_ids(client, url, model, ids) for _ in range(WARM_SENDS)]
-        warm_s = statistics.median(w.ttft_s for w in warms)
-        return SizeTTFT(cold.ttft_s, warm_s, [w.ttft_s for w in warms],
-                        cold.ttft_s / warm_s if warm_s > 0 else None, cold.cached_tokens,
-                        min(w.cached_tokens for w in warms), cold.prompt_tokens)  # fmt: skip
 
-    async def _after_restart(
-        self,
-        client: httpx.AsyncClient,
-        url: str,
-        ready_s: float,
-        prompts: dict[int, list[int]],
-        out: dict[str, SizeTTFT],
-    ) -> None:
-        """Send every prompt once more to the restarted server; adds the after-restart keys."""
-        model = await discover_model(client, url)
-        await complete_ids(client, url, model, self._canary())  # loaded from kvkeep, if any
-        for size, ids in prompts.items():
-            before = kvkeep_tokens(url)
-            after = await complete_ids(client, url, model, ids)
-            failed = kvkeep_tokens(url)["load_failed"] - before["load_failed"]
-            hits = max(after.cached_tokens - failed, 0)
-            rate = hits / after.prompt_tokens if after.prompt_tokens else None
-            again = AfterRestart(after.ttft_s, after.cached_tokens, rate, ready_s)
-            out[str(size)] = replace(out[str(size)], after=again)
+async def _cold_warm(client: httpx.AsyncClient, url: str, model: str, ids: list[int]) -> SizeTTFT:
+    cold = await complete_ids(client, url, model, ids)
+    warms = [await complete_ids(client, url, model, ids) for _ in range(WARM_SENDS)]
+    warm_s = statistics.median(w.ttft_s for w in warms)
+    return SizeTTFT(cold.ttft_s, warm_s, [w.ttft_s for w in warms],
+                    cold.ttft_s / warm_s if warm_s > 0 else None, cold.cached_tokens,
+                    min(w.cached_tokens for w in warms), cold.prompt_tokens)  # fmt: skip
 
-    def _canary(self) -> list[int]:
-        """A short prompt of full blocks plus a tail, the same for the whole run."""
-        return random_ids(4 * 128 + 16, f"ttft-canary:{self.seed}:{self._run_id}")
+
+async def _after_restart(
+    client: httpx.AsyncClient, url: str, model: str, ids: list[int], ready_s: float
+) -> AfterRestart:
+    """``ids`` sent once more to the restarted server; its hits less kvkeep's failed loads."""
+    before = kvkeep_tokens(url)
+    after = await complete_ids(client, url, model, ids)
+    failed = kvkeep_tokens(url)["load_failed"] - before["load_failed"]
+    hits = max(after.cached_tokens - failed, 0)
+    rate = hits / after.prompt_tokens if after.prompt_tokens else None
+    return AfterRestart(after.ttft_s, after.cached_tokens, rate, ready_s)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
