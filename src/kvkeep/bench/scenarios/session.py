@@ -93,7 +93,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--scale",
         type=float,
         default=d.scale,
-        help=f"multiply every size by this (default {d.scale})",
+        help="multiply every size by this (default %(default)s)",
     )
     p.add_argument("--max-output-tokens", type=int, default=d.max_output_tokens)
     p.add_argument("--seed", type=int, default=d.seed)
