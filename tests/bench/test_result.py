@@ -39,7 +39,7 @@ def test_an_absent_flat_group_adds_no_keys() -> None:
 
 
 def test_nested_results_in_a_dict_keep_their_keys() -> None:
-    size = SizeTTFT(1.0, 0.1, [0.1], 10.0, 0, 896, 1000)
+    size = SizeTTFT(1.0, 0.1, [1.0], [0.1], 10.0, 0, 896, 1000)
     assert to_json(TTFTResult({"1000": size}))["sizes"]["1000"]["warm_cached_tokens"] == 896
     assert "after_restart_s" not in to_json(size)
 

@@ -1,5 +1,6 @@
-"""`kvkeep bench ttft` (S2): one long prompt sent cold, then WARM_SENDS times more, per size;
-``warm_s`` is their median (one sample is at the mercy of whatever else the machine does).
+"""`kvkeep bench ttft` (S2): per size, COLD_SENDS different prompts sent cold, then the last one
+WARM_SENDS times more; ``cold_s`` and ``warm_s`` are medians (one sample is at the mercy of
+whatever else the machine does).
 
 With ``--restart``, vLLM is then restarted once (the kvkeep cache server keeps running) and
 every size is sent again (`AfterRestart`: its hit rate leaves out kvkeep loads that failed and
@@ -28,6 +29,7 @@ from kvkeep.endpoint import complete_ids, discover_model
 from kvkeep.workload import random_ids
 
 DEFAULT_SIZES = (4096, 16384)
+COLD_SENDS = 3
 WARM_SENDS = 3
 
 
@@ -45,6 +47,7 @@ class SizeTTFT:
 
     cold_s: float
     warm_s: float
+    cold_samples_s: list[float]
     warm_samples_s: list[float]
     speedup: float | None
     cold_cached_tokens: int
@@ -73,7 +76,10 @@ class TTFTScenario:
 
     async def _run(self, ctx: RunContext) -> TTFTResult:
         run = f"{self.seed}:{time.time_ns()}"  # no prompt is one an earlier run cached
-        prompts = {size: random_ids(size, f"ttft:{run}:{size}") for size in self.sizes}
+        prompts = {
+            size: [random_ids(size, f"ttft:{run}:{size}:{i}") for i in range(COLD_SENDS)]
+            for size in self.sizes
+        }
         # The first requests after a start are slow (and, with a connector, the first load maps
         # the arena); a canary of a few full blocks and a tail takes those costs for every mode.
         canary = random_ids(4 * 128 + 16, f"ttft-canary:{run}")
@@ -90,18 +96,23 @@ class TTFTScenario:
             print(f"  vLLM restarted, ready {ready:.1f} s after the stop began", file=sys.stderr)
             await complete_ids(client, ctx.url, model, canary)  # loaded from kvkeep, if any
             for size, ids in prompts.items():
-                after = await _after_restart(client, ctx.url, model, ids, ready)
+                after = await _after_restart(client, ctx.url, model, ids[-1], ready)
                 out[str(size)] = replace(out[str(size)], after=after)
         return TTFTResult(out)
 
 
-async def _cold_warm(client: httpx.AsyncClient, url: str, model: str, ids: list[int]) -> SizeTTFT:
-    cold = await complete_ids(client, url, model, ids)
-    warms = [await complete_ids(client, url, model, ids) for _ in range(WARM_SENDS)]
+async def _cold_warm(
+    client: httpx.AsyncClient, url: str, model: str, prompts: list[list[int]]
+) -> SizeTTFT:
+    """Each of ``prompts`` cold, then the last one warm."""
+    colds = [await complete_ids(client, url, model, ids) for ids in prompts]
+    warms = [await complete_ids(client, url, model, prompts[-1]) for _ in range(WARM_SENDS)]
+    cold_s = statistics.median(c.ttft_s for c in colds)
     warm_s = statistics.median(w.ttft_s for w in warms)
-    return SizeTTFT(cold.ttft_s, warm_s, [w.ttft_s for w in warms],
-                    cold.ttft_s / warm_s if warm_s > 0 else None, cold.cached_tokens,
-                    min(w.cached_tokens for w in warms), cold.prompt_tokens)  # fmt: skip
+    return SizeTTFT(cold_s, warm_s, [c.ttft_s for c in colds], [w.ttft_s for w in warms],
+                    cold_s / warm_s if warm_s > 0 else None,
+                    max(c.cached_tokens for c in colds), min(w.cached_tokens for w in warms),
+                    colds[-1].prompt_tokens)  # fmt: skip
 
 
 async def _after_restart(
