@@ -363,5 +363,5 @@ def output(doc: dict[str, Any], args: argparse.Namespace) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
         png = plot(doc, args.json.with_suffix(".png"))
-        print(f"JSON written to {args.json}" + (f", plot {png}" if png else ""), file=sys.stderr)
+        print(f"JSON written to {args.json}, plot {png}", file=sys.stderr)
     return 0 if doc["failed_requests"] == 0 and doc["wrong_outputs"] == 0 else 1
