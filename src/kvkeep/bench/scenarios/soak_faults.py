@@ -15,7 +15,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import httpx
@@ -101,29 +100,6 @@ def _ticks(every: float, end: float) -> list[float]:
 
 def _avoid(t: float, others: Sequence[float], gap: float = 10.0) -> float:
     return t + gap if any(abs(t - o) < gap for o in others) else t
-
-
-def corrupt_segments(directory: Path, rng: random.Random, flips: int = 8) -> tuple[str, int]:
-    """Flip one byte at each of ``flips`` random places in the disk tier's segment logs under
-    ``directory`` (in place: a running server reads the same inode). Returns what it did and
-    how many bytes it flipped."""
-    logs = sorted((directory / "disk").glob("seg-*.log"))
-    logs = [p for p in logs if p.stat().st_size > 0]
-    if not logs:
-        return "no segment to corrupt", 0
-    flipped = 0
-    for _ in range(flips):
-        path = rng.choice(logs)
-        with contextlib.suppress(OSError), open(path, "r+b") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size == 0:
-                continue
-            f.seek(rng.randrange(size))
-            byte = f.read(1)
-            f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([byte[0] ^ 0xFF]))
-            flipped += 1
-    return f"{flips} bytes flipped in {len(logs)} segments", flipped
 
 
 class Monotonic:
@@ -283,10 +259,26 @@ class Faults:
         self.cache.start()
         return detail
 
-    def _corrupt(self) -> str:
-        detail, flipped = corrupt_segments(self.cache.directory, self.rng)
-        self.flipped += flipped
-        return detail
+    def _corrupt(self, flips: int = 8) -> str:
+        """Flip one byte at each of ``flips`` random places in the cache server's disk segment
+        logs (in place: a running server reads the same inode), counted in ``flipped``.
+        Returns what it did."""
+        logs = sorted((self.cache.directory / "disk").glob("seg-*.log"))
+        logs = [p for p in logs if p.stat().st_size > 0]
+        if not logs:
+            return "no segment to corrupt"
+        for _ in range(flips):
+            path = self.rng.choice(logs)
+            with contextlib.suppress(OSError), open(path, "r+b") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size == 0:
+                    continue
+                f.seek(self.rng.randrange(size))
+                byte = f.read(1)
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([byte[0] ^ 0xFF]))
+                self.flipped += 1
+        return f"{flips} bytes flipped in {len(logs)} segments"
 
     def count(self, kind: str) -> int:
         return sum(1 for e in self.events if e.kind == kind)
