@@ -217,7 +217,10 @@ def _direct_read_gbps(path: Path, total: int) -> float:
             f.write(os.urandom(1024) * (chunk // 1024))
         f.flush()
         os.fsync(f.fileno())
-    fd = _open_direct(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    except OSError:  # the filesystem has no O_DIRECT (tmpfs): buffered after dropping cache
+        fd = os.open(path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         started = time.perf_counter()
@@ -228,13 +231,6 @@ def _direct_read_gbps(path: Path, total: int) -> float:
         os.close(fd)
         path.unlink()
     return total / elapsed / GB
-
-
-def _open_direct(path: Path) -> int:
-    try:
-        return os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-    except OSError:  # the filesystem has no O_DIRECT (tmpfs): buffered after dropping cache
-        return os.open(path, os.O_RDONLY)
 
 
 def _rebuild_s_per_100k(directory: Path, blocks: int) -> float:
@@ -314,5 +310,5 @@ def output(doc: dict[str, Any], args: argparse.Namespace) -> int:
     print(table(doc))
     if args.json:
         out = {"results": doc, "targets": TARGETS, "environment": env}
-        Path(args.json).write_text(json.dumps(out, indent=2))
+        args.json.write_text(json.dumps(out, indent=2))
     return 0
