@@ -34,7 +34,6 @@ class RestartSpec:
     docs: int = 4  # after a restart the first takes the one-time costs; the rest are timed
     doc_tokens: int = 8192
     block_size: int = 128
-    seed: int = 0
 
     def __post_init__(self) -> None:
         """Raise ValueError naming the option to change."""
@@ -49,7 +48,7 @@ class RestartSpec:
 
     def documents(self, kind: str) -> list[list[int]]:
         """This run's documents: new ones each run, so no cache holds them yet."""
-        return documents(self.docs, self.doc_tokens, f"{kind}:{self.seed}:{time.time_ns()}")
+        return documents(self.docs, self.doc_tokens, f"{kind}:{time.time_ns()}")
 
 
 @dataclass(frozen=True)
