@@ -1,8 +1,19 @@
-"""The soak's pure parts: the fault schedule, counters across restarts, RSS growth."""
+"""The soak's parts that need no vLLM: the fault schedule, counters across restarts, RSS
+growth, and the disk corruption."""
 
 from __future__ import annotations
 
-from kvkeep.bench.scenarios.soak_faults import Monotonic, Sample, SoakSpec, rss_growth, schedule
+from pathlib import Path
+from types import SimpleNamespace
+
+from kvkeep.bench.scenarios.soak_faults import (
+    Faults,
+    Monotonic,
+    Sample,
+    SoakSpec,
+    rss_growth,
+    schedule,
+)
 
 
 def test_ten_minutes_schedule_six_kills_two_restarts() -> None:
@@ -71,3 +82,18 @@ def test_hit_windows_count_each_window_s_requests_and_kvkeep_blocks() -> None:
     assert [w["cached_fraction"] for w in windows] == [0.75, 0.0, 0.0]
     # the running total's growth within each window; the sample after the end counts nowhere
     assert [w["kvkeep_hit_blocks"] for w in windows] == [30, 5, 0]
+
+
+def test_corruption_flips_bytes_in_non_empty_segments_and_counts_them(tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    (disk / "seg-1.log").write_bytes(bytes(4096))
+    (disk / "seg-2.log").write_bytes(b"")
+    cache = SimpleNamespace(directory=tmp_path)
+    faults = Faults(SoakSpec(), cache, None, SimpleNamespace(t0=0.0))  # type: ignore[arg-type]
+    assert faults._corrupt() == "8 bytes flipped in 1 segments"
+    changed = sum(b != 0 for b in (disk / "seg-1.log").read_bytes())
+    assert faults.flipped == 8 and 1 <= changed <= 8  # a place may be drawn twice
+    assert (disk / "seg-2.log").read_bytes() == b""
+    (disk / "seg-1.log").write_bytes(b"")
+    assert faults._corrupt() == "no segment to corrupt" and faults.flipped == 8

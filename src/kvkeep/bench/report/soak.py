@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from kvkeep.bench.report.plots import figure
+
 
 def table(doc: dict[str, Any]) -> str:
     """The run's figures as a plain-text table."""
@@ -38,14 +40,8 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def plot(doc: dict[str, Any], path: Path) -> Path | None:
-    """Hit rate and RSS over time with the faults marked; None without matplotlib."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return None
-    from kvkeep.bench.report.plots import figure
-
+def plot(doc: dict[str, Any], path: Path) -> Path:
+    """Hit rate and RSS over time with the faults marked, drawn into ``path``."""
     colours = {"server_kill": "red", "engine_restart": "black", "corrupt_live": "orange"}
     with figure(path, "bench soak", "seconds", "", rows=2) as (top, bottom):
         hits = doc["hit_rate_over_time"]

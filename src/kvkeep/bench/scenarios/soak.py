@@ -1,34 +1,25 @@
 """`kvkeep bench soak --minutes M`: agents on kvkeep while the cache server and vLLM die.
 
 For M minutes, N closed-loop coding agents replay their sessions (turn 0..T-1, again and
-again) against vLLM in mode kvkeep, while a schedule of faults runs beside them:
-
-- the cache server is SIGKILLed, stays down for ``down_s``, and is started again on the same
-  directory (RAM is lost; the disk tier survives). With ``corrupt`` on, bytes of its disk
-  segments are flipped while it is down (every other kill) and while it runs (half-way
-  between kills);
-- vLLM itself is restarted (SIGTERM to its process group, then a fresh start).
+again) against vLLM in mode kvkeep, while the faults of `soak_faults.schedule` run beside
+them: the cache server is SIGKILLed and started again on the same directory (RAM is lost, the
+disk tier survives; with ``corrupt``, disk bytes are flipped while it is down and while it
+runs), and vLLM itself is restarted.
 
 What it reports:
 
 - ``failed_requests``: requests that did not complete while vLLM was up (must be 0: a dead,
-  slow or corrupt cache costs speed, never a request). A request in flight when *vLLM* is
-  restarted fails through no fault of kvkeep; it is counted in
-  ``requests_lost_to_engine_restart`` and retried once the new engine answers.
-- ``wrong_outputs``: replies that are wrong by ``kvkeep.bench.criterion``'s rule for a cold
-  reference: a token differs where the reference had no tie, or a logprob differs by more
-  than ``DRIFT_TOL`` where the tokens agree. The reference for each distinct prompt is
-  computed once, before the clock starts, by the same engine with a fresh random
-  ``cache_salt``: a salt roots both vLLM's and kvkeep's block hashes, so that request can hit
-  no cache and is computed from scratch. Under 8 concurrent agents the KV of a turn comes
-  from differently batched and chunked steps, so the exact rule (equal to vLLM's own hit on
-  the same copy) does not apply here; the end-to-end tests check that one.
-  ``replies_compared`` and ``tokens_compared`` say how much was judged, ``ties_broken`` how
-  many replies went the other way at a tie, and ``max_logprob_diff`` is the largest
-  difference where tokens agreed.
+  slow or corrupt cache costs speed, never a request). A request cut by a *vLLM* restart is
+  no fault of kvkeep: it is counted in ``requests_lost_to_engine_restart`` and retried.
+- ``wrong_outputs``: replies wrong by `kvkeep.bench.criterion`'s rule for a cold reference
+  (``same_as_cold``: under concurrent agents a turn's KV comes from differently batched and
+  chunked steps, so the exact rule is for the end-to-end tests). Each distinct prompt's
+  reference is computed before the clock starts, under a fresh random ``cache_salt``, which
+  roots vLLM's and kvkeep's block hashes where nothing is cached. ``replies_compared``,
+  ``tokens_compared``, ``ties_broken`` and ``max_logprob_diff`` say how much was judged.
 - the hit rate per time window (cached prompt tokens from vLLM's usage, and blocks kvkeep's
   server served), and the private RSS of the cache server and of vLLM's process tree over
-  time, with the growth between the middle and the last third of the run.
+  time, with its growth within a lifetime (`soak_faults.rss_growth`).
 """
 
 from __future__ import annotations
@@ -56,6 +47,7 @@ from kvkeep.bench.scenarios.soak_faults import (
     Sample,
     Sampler,
     SoakSpec,
+    background,
     rss_growth,
 )
 from kvkeep.workload import HFTokenizer, SessionSpec, Turn, generate_sessions
@@ -63,9 +55,6 @@ from kvkeep.workload import HFTokenizer, SessionSpec, Turn, generate_sessions
 # A soak turn (a small session) takes seconds: one stuck this long is a failed request, and
 # the run goes on (the bench's own REQUEST_TIMEOUT_S waits for 16k-token cold prefills).
 TURN_TIMEOUT_S = 300.0
-
-
-# --- the run --------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -81,7 +70,6 @@ class SoakScenario:
 
     def run(self, ctx: RunContext) -> SoakResult:
         spec = self.spec
-        spec.validate()
         session = SessionSpec(turns=spec.turns, scale=spec.scale,
                               max_output_tokens=spec.max_output_tokens, seed=spec.seed)  # fmt: skip
         sessions = generate_sessions(session, HFTokenizer(ctx.model), spec.agents)
@@ -93,22 +81,11 @@ class SoakScenario:
         t0 = time.monotonic()
         sampler = Sampler(ctx.cache, ctx.engine, spec.sample_every_s, t0)
         faults = Faults(spec, ctx.cache, ctx.engine, sampler)
-        sampler.start()
-        faults.start()
-        tally = Tally()
-
-        async def step(client: httpx.AsyncClient, a: int, turn: Turn) -> None:
-            await _turn(client, ctx.engine, a, turn, refs[(a, turn.index)], tally, t0)
-
-        try:
-            asyncio.run(agent_loop(sessions, step, until=t0 + spec.duration_s))
-        finally:
-            faults.stop()
-            sampler.stop()
+        tally = Tally(ctx.engine, refs, t0)
+        with background("soak-sampler", sampler.loop), background("soak-faults", faults.run):
+            asyncio.run(agent_loop(sessions, tally.turn, until=t0 + spec.duration_s))
+        sampler.sample()  # the counts since the last sample
         return summarize(spec, tally, faults, sampler.samples, ref_s, time.monotonic() - t0)
-
-
-# --- agents, judged -----------------------------------------------------------------------------
 
 
 class Reply(NamedTuple):
@@ -127,19 +104,9 @@ class Result(NamedTuple):
     verdict: Verdict
 
 
-@dataclass
-class Tally:
-    """What the agents saw; mutated only on the event loop's thread."""
-
-    results: list[Result] = field(default_factory=list)
-    failed: int = 0
-    lost_to_engine_restart: int = 0
-    errors: list[str] = field(default_factory=list)
-
-
-def chat_body(turn: Turn, salt: str | None = None) -> dict[str, Any]:
+def chat_body(turn: Turn) -> dict[str, Any]:
     """A greedy chat request that returns its output as token ids with logprobs."""
-    body: dict[str, Any] = {
+    return {
         "model": "kvkeep-tiny",
         "messages": turn.messages,
         "tools": turn.tools,
@@ -150,9 +117,6 @@ def chat_body(turn: Turn, salt: str | None = None) -> dict[str, Any]:
         "top_logprobs": TOP_ALTERNATIVES,  # the criterion tells a tie from a wrong token
         "return_tokens_as_token_ids": True,
     }
-    if salt is not None:
-        body["cache_salt"] = salt
-    return body
 
 
 async def ask(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Reply:
@@ -185,49 +149,55 @@ async def references(url: str, sessions: Sequence[Sequence[Turn]]) -> dict[tuple
 
         async def one(agent: int, turn: Turn) -> None:
             async with gate:
-                body = chat_body(turn, salt=f"soak-ref-{uuid.uuid4().hex}")
+                body = {**chat_body(turn), "cache_salt": f"soak-ref-{uuid.uuid4().hex}"}
                 out[(agent, turn.index)] = await ask(client, url, body)
 
         await asyncio.gather(*(one(a, t) for a, turns in enumerate(sessions) for t in turns))
     return out
 
 
-async def _turn(
-    client: httpx.AsyncClient,
-    engine: VLLMServer,
-    agent: int,
-    turn: Turn,
-    ref: Reply,
-    tally: Tally,
-    t0: float,
-) -> None:
-    """One turn, retried after an engine restart cut it; a failure of any other kind is
-    counted in ``tally.failed`` (and retried too, so the agent moves on)."""
-    for _ in range(5):
-        url, generation = await asyncio.to_thread(engine.current)
-        start = time.monotonic()
-        try:
-            reply = await ask(client, url, chat_body(turn))
-        except (httpx.HTTPError, KeyError, ValueError) as exc:
-            if engine.generation != generation or engine.restarting:
-                tally.lost_to_engine_restart += 1
-            else:
-                tally.failed += 1
-                tally.errors.append(f"agent {agent} turn {turn.index}: {exc!r}"[:300])
-                await asyncio.sleep(1.0)
-            continue
-        if engine.generation != generation:
-            # vLLM's shutdown aborts requests in flight, and may answer them with 200 and a
-            # truncated output: a reply that spans a restart is the restart's, not kvkeep's
-            tally.lost_to_engine_restart += 1
-            continue
-        verdict = same_as_cold(reply.judged, ref.judged)
-        if not verdict:
-            tally.errors.append(f"agent {agent} turn {turn.index} at {start - t0:.1f} s: "
-                                f"{verdict.why}: {list(reply.judged.token_ids)} vs reference "
-                                f"{list(ref.judged.token_ids)}")  # fmt: skip
-        tally.results.append(Result(start - t0, time.monotonic() - start, reply, verdict))
-        return
+@dataclass
+class Tally:
+    """The agents' turns on ``engine``, each judged against its reference in ``refs``; what
+    they saw. Mutated only on the event loop's thread."""
+
+    engine: VLLMServer
+    refs: dict[tuple[int, int], Reply]
+    t0: float
+    results: list[Result] = field(default_factory=list)
+    failed: int = 0
+    lost_to_engine_restart: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    async def turn(self, client: httpx.AsyncClient, agent: int, turn: Turn) -> None:
+        """One turn, retried after an engine restart cut it; a failure of any other kind is
+        counted in ``failed`` (and retried too, so the agent moves on)."""
+        engine, ref = self.engine, self.refs[(agent, turn.index)]
+        for _ in range(5):
+            url, generation = await asyncio.to_thread(engine.current)
+            start = time.monotonic()
+            try:
+                reply = await ask(client, url, chat_body(turn))
+            except (httpx.HTTPError, KeyError, ValueError) as exc:
+                if engine.generation != generation or engine.restarting:
+                    self.lost_to_engine_restart += 1
+                else:
+                    self.failed += 1
+                    self.errors.append(f"agent {agent} turn {turn.index}: {exc!r}"[:300])
+                    await asyncio.sleep(1.0)
+                continue
+            if engine.generation != generation:
+                # vLLM's shutdown aborts requests in flight, and may answer them with 200 and
+                # a truncated output: a reply that spans a restart is the restart's
+                self.lost_to_engine_restart += 1
+                continue
+            verdict = same_as_cold(reply.judged, ref.judged)
+            if not verdict:
+                self.errors.append(f"agent {agent} turn {turn.index} at {start - self.t0:.1f} "
+                                   f"s: {verdict.why}: {list(reply.judged.token_ids)} vs "
+                                   f"reference {list(ref.judged.token_ids)}")  # fmt: skip
+            self.results.append(Result(start - self.t0, time.monotonic() - start, reply, verdict))
+            return
 
 
 @dataclass(frozen=True)
@@ -268,8 +238,8 @@ class SoakResult:
 
 def summarize(spec: SoakSpec, tally: Tally, faults: Faults, samples: Sequence[Sample],
               reference_s: float, wall_s: float) -> SoakResult:  # fmt: skip
-    results = tally.results
-    last = samples[-1] if samples else Sample(0.0, None, 0, None, None, 0.0, 0.0, 0.0, 0.0)
+    """The result; ``samples`` ends with one taken after the run."""
+    results, last = tally.results, samples[-1]
     return SoakResult(
         spec, len(results), tally.failed, tally.lost_to_engine_restart,
         sum(not r.verdict for r in results), len(results),
@@ -347,7 +317,6 @@ def build(args: argparse.Namespace) -> list[SoakScenario]:
                     down_s=args.down, corrupt=not args.no_corrupt, num_blocks=args.num_blocks,
                     seed=args.seed, cache_ram=args.cache_ram,
                     cache_disk=args.cache_disk)  # fmt: skip
-    spec.validate()
     return [SoakScenario(spec)]
 
 
@@ -363,5 +332,5 @@ def output(doc: dict[str, Any], args: argparse.Namespace) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
         png = plot(doc, args.json.with_suffix(".png"))
-        print(f"JSON written to {args.json}" + (f", plot {png}" if png else ""), file=sys.stderr)
+        print(f"JSON written to {args.json}, plot {png}", file=sys.stderr)
     return 0 if doc["failed_requests"] == 0 and doc["wrong_outputs"] == 0 else 1

@@ -1,7 +1,8 @@
 """`bench soak`'s faults and what watches them: the schedule (`schedule`), the thread that
 kills the cache server, corrupts its disk and restarts vLLM (`Faults`), and the thread that
-samples counters and memory meanwhile (`Sampler`), with counters that survive the restarts
-(`Monotonic`) and the summaries of its samples (`hit_windows`, `rss_growth`).
+samples counters and memory meanwhile (`Sampler`), each run by `background`, with counters
+that survive the restarts (`Monotonic`) and the growth of memory within a process's lifetime
+(`rss_growth`).
 """
 
 from __future__ import annotations
@@ -12,9 +13,8 @@ import random
 import statistics
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import httpx
@@ -58,7 +58,7 @@ class SoakSpec:
     def restart_interval_s(self) -> float:
         return self.restart_every_s or self.duration_s / 2.5
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         """Raise ValueError naming the option to change."""
         if self.minutes <= 0:
             raise ValueError("--minutes must be positive")
@@ -100,35 +100,6 @@ def _ticks(every: float, end: float) -> list[float]:
 
 def _avoid(t: float, others: Sequence[float], gap: float = 10.0) -> float:
     return t + gap if any(abs(t - o) < gap for o in others) else t
-
-
-# --- the cache server's disk, corrupted -----------------------------------------------------
-
-
-def corrupt_segments(directory: Path, rng: random.Random, flips: int = 8) -> tuple[str, int]:
-    """Flip one byte at each of ``flips`` random places in the disk tier's segment logs under
-    ``directory`` (in place: a running server reads the same inode). Returns what it did and
-    how many bytes it flipped."""
-    logs = sorted((directory / "disk").glob("seg-*.log"))
-    logs = [p for p in logs if p.stat().st_size > 0]
-    if not logs:
-        return "no segment to corrupt", 0
-    flipped = 0
-    for _ in range(flips):
-        path = rng.choice(logs)
-        with contextlib.suppress(OSError), open(path, "r+b") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size == 0:
-                continue
-            f.seek(rng.randrange(size))
-            byte = f.read(1)
-            f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([byte[0] ^ 0xFF]))
-            flipped += 1
-    return f"{flips} bytes flipped in {len(logs)} segments", flipped
-
-
-# --- counters that survive restarts ------------------------------------------------------------
 
 
 class Monotonic:
@@ -190,22 +161,31 @@ class Sample(NamedTuple):
     load_failed_tokens: float
 
 
+@contextlib.contextmanager
+def background(name: str, loop: Callable[[threading.Event], object]) -> Iterator[None]:
+    """``loop(stop)`` on a daemon thread while the block runs; on leaving, ``stop`` is set and
+    the thread joined."""
+    stop = threading.Event()
+    thread = threading.Thread(target=loop, args=(stop,), name=name, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 class Sampler:
-    """Samples memory and counters every ``every_s`` on its own thread."""
+    """Samples memory and counters every ``every_s`` (``loop``, in `background`)."""
 
     def __init__(self, cache: CacheServer, engine: VLLMServer, every_s: float, t0: float) -> None:
         self.cache, self.engine, self.every_s, self.t0 = cache, engine, every_s, t0
         self.totals = Monotonic()  # the server's counters and vLLM's kvkeep_tokens
         self.samples: list[Sample] = []
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="soak-sampler", daemon=True)
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.every_s):
+    def loop(self, stop: threading.Event) -> None:
+        while not stop.wait(self.every_s):
             self.sample()
 
     def sample(self) -> None:
@@ -230,17 +210,10 @@ class Sampler:
                 )
             )
 
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
-        self.sample()
-
-
-# --- faults thread ----------------------------------------------------------------------------
-
 
 class Faults:
-    """Runs the schedule on its own thread; ``events`` records what was done and how long."""
+    """Runs the schedule (``run``, in `background`); ``events`` records what was done and
+    how long."""
 
     def __init__(
         self, spec: SoakSpec, cache: CacheServer, engine: VLLMServer, sampler: Sampler
@@ -251,18 +224,13 @@ class Faults:
         self.flipped = 0
         self.events: list[Event] = []
         self.errors: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="soak-faults", daemon=True)
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def _run(self) -> None:
+    def run(self, stop: threading.Event) -> None:
         kills = 0
         for event in schedule(self.spec):
             if time.monotonic() > self.t0 + self.spec.duration_s:
                 return  # overdue after a long engine restart, and the run is over
-            if self._stop.wait(max(0.0, self.t0 + event.t_s - time.monotonic())):
+            if stop.wait(max(0.0, self.t0 + event.t_s - time.monotonic())):
                 return
             started = time.monotonic()
             try:
@@ -275,32 +243,42 @@ class Faults:
             self.events.append(Event(started - self.t0, event.kind, took, detail))
 
     def _do(self, kind: str, kills: int) -> str:
-        if kind == "server_kill":
-            self.sampler.sample()  # the counts the kill is about to lose
-            return self._kill(corrupt=self.spec.corrupt and kills % 2 == 1)
+        """Do one fault; returns what it did. A kill is a SIGKILL, ``down_s`` down (flipping
+        disk bytes meanwhile on every other kill, with ``corrupt``), and a restart."""
         if kind == "corrupt_live":
             return self._corrupt()
-        # In-flight requests keep uvicorn waiting for their connections until the engine is
-        # killed: a graceful stop would only add its timeout to the restart.
-        self.engine.restart(stop_timeout_s=5.0)
-        return f"ready in {self.engine.ready_s:.1f} s"
-
-    def _kill(self, corrupt: bool) -> str:
-        """SIGKILL, stay down ``down_s`` (flipping disk bytes meanwhile if asked), restart."""
+        if kind == "engine_restart":
+            # In-flight requests keep uvicorn waiting for their connections until the engine
+            # is killed: a graceful stop would only add its timeout to the restart.
+            self.engine.restart(stop_timeout_s=5.0)
+            return f"ready in {self.engine.ready_s:.1f} s"
+        self.sampler.sample()  # the counts the kill is about to lose
         self.cache.kill()
-        detail = self._corrupt() if corrupt else ""
+        detail = self._corrupt() if self.spec.corrupt and kills % 2 == 1 else ""
         time.sleep(self.spec.down_s)
         self.cache.start()
         return detail
 
-    def _corrupt(self) -> str:
-        detail, flipped = corrupt_segments(self.cache.directory, self.rng)
-        self.flipped += flipped
-        return detail
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
+    def _corrupt(self, flips: int = 8) -> str:
+        """Flip one byte at each of ``flips`` random places in the cache server's disk segment
+        logs (in place: a running server reads the same inode), counted in ``flipped``.
+        Returns what it did."""
+        logs = sorted((self.cache.directory / "disk").glob("seg-*.log"))
+        logs = [p for p in logs if p.stat().st_size > 0]
+        if not logs:
+            return "no segment to corrupt"
+        for _ in range(flips):
+            path = self.rng.choice(logs)
+            with contextlib.suppress(OSError), open(path, "r+b") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size == 0:
+                    continue
+                f.seek(self.rng.randrange(size))
+                byte = f.read(1)
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([byte[0] ^ 0xFF]))
+                self.flipped += 1
+        return f"{flips} bytes flipped in {len(logs)} segments"
 
     def count(self, kind: str) -> int:
         return sum(1 for e in self.events if e.kind == kind)

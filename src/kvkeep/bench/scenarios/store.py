@@ -19,13 +19,11 @@ Everything runs in one go against real server processes on this machine:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import mmap
 import os
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,26 +87,20 @@ class StoreScenario:
         return Needs(engine=False)
 
     def run(self, ctx: RunContext) -> StoreResult:
-        with tempfile.TemporaryDirectory(prefix="kvkeep-bench-", dir=self.spec.dir) as tmp:
-            return StoreResult(**run(self.spec, Path(tmp)))
-
-
-def run(spec: StoreSpec, scratch: Path) -> dict[str, Any]:
-    count = max(spec.total // spec.block, 1)
-    total = count * spec.block
-    results: dict[str, Any] = {"block_bytes": spec.block, "total_bytes": total}
-    results["memcpy_gbps"] = _memcpy_gbps(total)
-    with _server(
-        scratch / "tiers", ram=total + (256 << 20), disk=3 * total + (256 << 20)
-    ) as server:
-        results.update(_ram_and_disk(server, count, spec.block))
-        results["lookup_p99_ms"] = _lookup_p99_ms(server, spec.lookups)
-    results["disk_direct_read_gbps"] = _direct_read_gbps(scratch / "direct.bin", total)
-    results["rebuild_s_per_100k"] = _rebuild_s_per_100k(scratch / "rebuild", spec.rebuild_blocks)
-    return results
-
-
-# --- measurements ---------------------------------------------------------------------------
+        """Every figure, in a scratch directory deleted afterwards."""
+        spec, count = self.spec, max(self.spec.total // self.spec.block, 1)
+        total = count * spec.block
+        with tempfile.TemporaryDirectory(prefix="kvkeep-bench-", dir=spec.dir) as tmp:
+            scratch = Path(tmp)
+            results: dict[str, Any] = {"block_bytes": spec.block, "total_bytes": total}
+            results["memcpy_gbps"] = _memcpy_gbps(total)
+            with _server(scratch / "tiers", total + (256 << 20), 3 * total + (256 << 20)) as srv:
+                results.update(_ram_and_disk(srv, count, spec.block))
+                results["lookup_p99_ms"] = _lookup_p99_ms(srv, spec.lookups)
+            results["disk_direct_read_gbps"] = _direct_read_gbps(scratch / "direct.bin", total)
+            blocks = spec.rebuild_blocks
+            results["rebuild_s_per_100k"] = _rebuild_s_per_100k(scratch / "rebuild", blocks)
+            return StoreResult(**results)
 
 
 def _memcpy_gbps(total: int) -> float:
@@ -207,9 +199,7 @@ def _lookup_p99_ms(server: CacheServer, lookups: int) -> float:
     keys = chain_keys(ns, list(range(1000 * 16)), 16)
     client = KVKeepClient(server.socket, timeout_s=30)
     session = client.hello(ns, 4096)
-    for start in range(0, len(keys), 256):
-        slots = client.reserve(session, keys[start : start + 256])
-        client.commit(session, slots, [0] * len(slots))
+    _put_all(client, session, keys, np.zeros(4096, dtype=np.uint8))
     latencies = []
     for _ in range(lookups):
         started = time.perf_counter()
@@ -227,7 +217,10 @@ def _direct_read_gbps(path: Path, total: int) -> float:
             f.write(os.urandom(1024) * (chunk // 1024))
         f.flush()
         os.fsync(f.fileno())
-    fd = _open_direct(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    except OSError:  # the filesystem has no O_DIRECT (tmpfs): buffered after dropping cache
+        fd = os.open(path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         started = time.perf_counter()
@@ -238,13 +231,6 @@ def _direct_read_gbps(path: Path, total: int) -> float:
         os.close(fd)
         path.unlink()
     return total / elapsed / GB
-
-
-def _open_direct(path: Path) -> int:
-    try:
-        return os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-    except OSError:  # the filesystem has no O_DIRECT (tmpfs): buffered after dropping cache
-        return os.open(path, os.O_RDONLY)
 
 
 def _rebuild_s_per_100k(directory: Path, blocks: int) -> float:
@@ -265,18 +251,10 @@ def _rebuild_s_per_100k(directory: Path, blocks: int) -> float:
         return float(stats["rebuild_s"]) * 100_000 / blocks
 
 
-# --- plumbing -------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _server(directory: Path, ram: int, disk: int) -> Iterator[CacheServer]:
-    """A cache server on ``directory`` (kept afterwards: the scratch directory goes)."""
+def _server(directory: Path, ram: int, disk: int) -> CacheServer:
+    """A cache server on ``directory``, started and stopped by a ``with`` block."""
     spec = CacheSpec(ram=str(ram), disk=str(disk), extra_args=("--queue-depth", "4096"))
-    server = CacheServer(spec, directory=directory).start()
-    try:
-        yield server
-    finally:
-        server.stop(timeout_s=120)
+    return CacheServer(spec, directory=directory)
 
 
 def _retry(call: Any, retries: int) -> Any:
@@ -332,5 +310,5 @@ def output(doc: dict[str, Any], args: argparse.Namespace) -> int:
     print(table(doc))
     if args.json:
         out = {"results": doc, "targets": TARGETS, "environment": env}
-        Path(args.json).write_text(json.dumps(out, indent=2))
+        args.json.write_text(json.dumps(out, indent=2))
     return 0
