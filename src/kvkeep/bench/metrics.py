@@ -1,12 +1,9 @@
 """What a scenario reads from the system under test besides the responses themselves.
 
-One Prometheus parser (`samples`), and what is built on it: vLLM's token counters
-(`vllm_counters`), the kvkeep connector's (`kvkeep_tokens`), and `Probe`, which bundles a
-server URL with the counters a scenario diffs around a measurement: vLLM's device and
-connector hits and, where a kvkeep cache server is deployed, its per-tier hits. A probe
-without a cache server reads no kvkeep tiers, so every mode reports the same fields.
-`hit_split` turns a difference into `HitRates`, the hit-rate group several results share
-(`mean_rates` combines several measurements).
+One Prometheus parser (`samples`) and the counters read with it. A `Probe` snapshots what a
+scenario diffs around a measurement: vLLM's device and connector hits and, where a kvkeep
+cache server is deployed, its hits per tier (none without one, so every mode reports the same
+fields). `hit_split` turns a difference into `HitRates`, the group several results share.
 """
 
 from __future__ import annotations
@@ -92,9 +89,6 @@ def metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict[str
     return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
 
 
-TierStats = Callable[[], "dict[str, Any] | None"]
-
-
 @dataclass(frozen=True)
 class Counters:
     """A snapshot (or a difference) of every counter a scenario may diff."""
@@ -114,7 +108,7 @@ class Probe:
     """A server's counters; ``url`` may be a callable for a server that restarts."""
 
     url: str | Callable[[], str]
-    tier_stats: TierStats | None = None
+    tier_stats: Callable[[], dict[str, Any] | None] | None = None
 
     def snapshot(self) -> Counters:
         return Counters(vllm_counters(self.current_url()), self._tier_hits())
