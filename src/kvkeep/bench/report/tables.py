@@ -235,7 +235,7 @@ def claims_table(doc: dict[str, Any]) -> str:
     ("-" where that mode did not measure it)."""
     docs = scenarios(doc)
     raw = _raw_scenarios(doc).values()
-    modes = list(dict.fromkeys(m for d in raw for m in d.get("modes") or {}))
+    modes = list(dict.fromkeys(m for d in raw for m in d["modes"]))
     sizes = [int(s) for m in modes for s in _get(docs, ("ttft", "modes", m, "sizes")) or {}]
     big = max(sizes, default=0)
     rows = [
@@ -271,8 +271,8 @@ def profile_table(doc: dict[str, Any]) -> str:
     one row per scenario and mode that recorded a profile (mode kvkeep; the others are 0)."""
     rows = []
     for name, d in scenarios(doc).items():
-        for mode, result in (d.get("modes") or {}).items():
-            prof = result.get("profile") if isinstance(result, dict) else None
+        for mode, result in d["modes"].items():
+            prof = result.get("profile")
             if not prof or not any(prof.get(op) for op in PROFILE_OPS):
                 continue
             n = max(prof.get("requests", 0.0), 1.0)
