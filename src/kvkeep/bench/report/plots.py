@@ -1,4 +1,4 @@
-"""The report's PNG plots, one function per scenario (`PLOTS`; agents takes the fit run)."""
+"""The report's PNG plots, one function per scenario (`PLOTS`; `plot_agents` takes the fit run)."""
 
 from __future__ import annotations
 
@@ -146,6 +146,5 @@ PLOTS: dict[str, Callable[[dict[str, Any], Path], list[Path]]] = {
     "session": plot_session,
     "ttft": plot_ttft,
     "capacity": plot_capacity,
-    "agents": plot_agents,
     "replay": plot_replay,
 }
