@@ -1,24 +1,19 @@
-"""When is a reply served with kvkeep's KV right? The one criterion every comparison uses.
+"""When is a reply served with kvkeep's KV right? The one criterion every comparison uses
+(the README's "What 'correct' means" gives the reasons; here are its exact terms).
 
-kvkeep stores the bytes vLLM computed and loads them back unchanged. So:
+1. ``same_as_hit``: equal to vLLM's own prefix-cache hit on the same prompt and the same KV,
+   tokens and logprobs (``EXACT_TOL`` only absorbs JSON float formatting).
+2. ``same_as_cold``: equal to a cold run up to the drift of vLLM's own prefix cache (the same
+   sums in another order; bf16 logits carry 8 bits of mantissa, about 0.03 at a logit of 4):
+   logprobs within ``DRIFT_TOL`` where the tokens agree, and a token may differ only at a tie,
+   where either reply lists the other's token among its best ``TOP_ALTERNATIVES`` within
+   ``DRIFT_TOL`` of its own (bf16 ties are often three-way, so two are not enough). Nothing
+   after such a tie is compared: from there on the histories differ.
 
-1. **Same copy, same reply** (``same_as_hit``). A reply served from kvkeep (after a vLLM
-   restart or a device-cache reset) must equal vLLM's own prefix-cache hit on the same prompt,
-   computed from the same KV: the same tokens and logprobs (``EXACT_TOL`` only absorbs JSON
-   float formatting).
-2. **Cold, up to numeric drift** (``same_as_cold``). Against a cold run the reply may differ
-   only by the drift vLLM's own prefix cache shows: attention over a cached prefix adds the
-   same numbers in another order, and bf16 logits tie often (8 bits of mantissa: about 0.03 at
-   a logit of 4). So logprobs agree within ``DRIFT_TOL`` where the tokens agree, and a token
-   may differ only at a tie: where either reply lists the other's token among its best
-   ``TOP_ALTERNATIVES`` within ``DRIFT_TOL`` of its own choice (bf16 ties are often three-way,
-   so two alternatives are not enough). From there on nothing more is compared.
-
-A wrong KV block is not drift: it moves logprobs by far more (0.5 to several nats on the tiny
-model) at positions that are no tie (``tests/e2e/test_guard.py``). Of a block vLLM computes
-twice kvkeep keeps the first copy, while vLLM's later device hits use the newer one (README,
-"What 'correct' means"): rule 1 holds only against a hit on the copy kvkeep kept, so the tests
-that use it compute no block twice.
+A wrong KV block moves logprobs by far more (0.5 to several nats on the tiny model) at
+positions that are no tie (``tests/e2e/test_guard.py``). Rule 1 holds only against a hit on the
+copy kvkeep kept (the first of a block vLLM computes twice), so tests that use it compute no
+block twice.
 """
 
 from __future__ import annotations
