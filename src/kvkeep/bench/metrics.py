@@ -39,14 +39,6 @@ def samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
             yield m.group(1), dict(_LABEL.findall(m.group(2) or "")), float(m.group(3))
 
 
-def parse_prometheus(text: str) -> dict[str, float]:
-    """Sum every sample of each metric name over its labels."""
-    totals: dict[str, float] = {}
-    for name, _, value in samples(text):
-        totals[name] = totals.get(name, 0.0) + value
-    return totals
-
-
 def scrape(url: str) -> str:
     """`{url}/metrics` as text; raises httpx.HTTPError."""
     r = httpx.get(f"{url}/metrics", timeout=30)
@@ -54,10 +46,13 @@ def scrape(url: str) -> str:
     return r.text
 
 
-def vllm_counters(url: str, names: Sequence[str] = VLLM_COUNTERS) -> dict[str, float]:
-    """The chosen counters from `{url}/metrics` (missing ones read as 0)."""
-    totals = parse_prometheus(scrape(url))
-    return {name: totals.get(name, 0.0) for name in names}
+def vllm_counters(url: str) -> dict[str, float]:
+    """`VLLM_COUNTERS` from `{url}/metrics`, each summed over its labels (0 where missing)."""
+    out = dict.fromkeys(VLLM_COUNTERS, 0.0)
+    for name, _, value in samples(scrape(url)):
+        if name in out:
+            out[name] += value
+    return out
 
 
 def kvkeep_tokens(url: str) -> dict[str, float]:
