@@ -1,7 +1,9 @@
 """The two shapes of a results document, read alike, and the scenario runs that failed.
 
-Every scenario document has a ``modes`` dict of JSON objects: a result, ``{}`` for a mode it
-does not run in, or ``{"error": ...}`` for a run that failed.
+A results document is the JSON of the scenarios' result dataclasses (`result.to_json`): one
+scenario (`{"scenario": NAME, "modes": {...}}`) or several (`{"scenarios": {NAME: {...}}}`).
+A scenario's ``modes`` holds a JSON object per mode: its result, ``{}`` for a mode it does not
+run in, or ``{"error": ...}`` for a run that failed.
 """
 
 from __future__ import annotations
