@@ -93,9 +93,7 @@ def plot_agents(doc: dict[str, Any], out: Path, fit: dict[str, Any] | None = Non
     """Turns/min by mode; with ``fit`` (the run whose working set fits), both runs side by side."""
     modes = list(doc["modes"])
     series: dict[str, list[float]] = {}
-    for run in (doc, fit):
-        if run is None:
-            continue
+    for run in filter(None, (doc, fit)):
         first: dict[str, Any] = next(iter(run["modes"].values()), {})
         ratio = first.get("working_set_over_pool")
         label = "turns/min" if ratio is None else f"working set {ratio:.2f}x pool"
