@@ -3,7 +3,7 @@ from pathlib import Path
 
 from kvkeep.bench import metrics, report
 from kvkeep.bench.http import TurnResult
-from kvkeep.bench.metrics import metrics_delta, parse_prometheus
+from kvkeep.bench.metrics import metrics_delta
 from kvkeep.bench.result import to_json
 from kvkeep.bench.scenarios.session import summarize_session
 
@@ -16,10 +16,21 @@ vllm:prompt_tokens_by_source_total{engine="0",source="local_cache_hit"} 28.0
 """
 
 
-def test_prometheus_samples_are_summed_over_labels() -> None:
-    m = parse_prometheus(PROM)
-    assert m["vllm:prefix_cache_hits_total"] == 1664.0
-    assert m["vllm:prompt_tokens_by_source_total"] == 128.0
+def serve_metrics(monkeypatch, page: str) -> None:  # type: ignore[no-untyped-def]
+    class Page:
+        text = page
+
+        def raise_for_status(self) -> None:
+            pass
+
+    monkeypatch.setattr(metrics.httpx, "get", lambda *a, **k: Page())
+
+
+def test_prometheus_samples_are_summed_over_labels(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    serve_metrics(monkeypatch, PROM + 'vllm:prefix_cache_hits_total{engine="1"} 6.0\n')
+    m = metrics.vllm_counters("http://x")
+    assert m["vllm:prefix_cache_hits_total"] == 1670.0  # not its _created sample
+    assert m["vllm:prompt_tokens_total"] == 0.0 and set(m) == set(metrics.VLLM_COUNTERS)
     assert metrics_delta({"a": 1.0}, {"a": 5.0, "b": 2.0}) == {"a": 4.0, "b": 2.0}
 
 
@@ -30,14 +41,7 @@ def test_kvkeep_tokens_are_summed_per_op(monkeypatch) -> None:  # type: ignore[n
         'vllm:kvkeep_tokens_total{engine="0",op="load_failed"} 128.0',
         'vllm:kvkeep_events_total{engine="0",op="loaded"} 9.0',
     ])  # fmt: skip
-
-    class Page:
-        text = page
-
-        def raise_for_status(self) -> None:
-            pass
-
-    monkeypatch.setattr(metrics.httpx, "get", lambda *a, **k: Page())
+    serve_metrics(monkeypatch, page)
     tokens = metrics.kvkeep_tokens("http://x")
     assert tokens == {"offered": 0.0, "loaded": 384.0, "load_failed": 128.0, "saved": 0.0}
 

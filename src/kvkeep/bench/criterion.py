@@ -1,32 +1,19 @@
-"""When is a reply served with kvkeep's KV right? The one criterion every comparison uses.
+"""When is a reply served with kvkeep's KV right? The one criterion every comparison uses
+(the README's "What 'correct' means" gives the reasons; here are its exact terms).
 
-kvkeep stores the bytes vLLM computed and loads them back unchanged. So:
+1. ``same_as_hit``: equal to vLLM's own prefix-cache hit on the same prompt and the same KV,
+   tokens and logprobs (``EXACT_TOL`` only absorbs JSON float formatting).
+2. ``same_as_cold``: equal to a cold run up to the drift of vLLM's own prefix cache (the same
+   sums in another order; bf16 logits carry 8 bits of mantissa, about 0.03 at a logit of 4):
+   logprobs within ``DRIFT_TOL`` where the tokens agree, and a token may differ only at a tie,
+   where either reply lists the other's token among its best ``TOP_ALTERNATIVES`` within
+   ``DRIFT_TOL`` of its own (bf16 ties are often three-way, so two are not enough). Nothing
+   after such a tie is compared: from there on the histories differ.
 
-1. **Same copy, same reply** (``same_as_hit``). A reply served from kvkeep (after a vLLM
-   restart or a device-cache reset) must equal vLLM's own prefix-cache hit on the same prompt,
-   computed from the same KV: the same tokens and the same logprobs (``EXACT_TOL`` only
-   absorbs JSON float formatting). This is what the end-to-end tests assert.
-2. **Cold, up to numeric drift** (``same_as_cold``). Against a cold run (no cache at all) the
-   reply may differ only by the drift that vLLM's own prefix cache shows against cold:
-   attention over a cached prefix adds the same numbers in another order, and bf16 logits
-   tie often (they carry 8 bits of mantissa: about 0.03 at a logit of 4). So logprobs must
-   agree within ``DRIFT_TOL`` wherever the tokens agree, and a token may differ only at a
-   tie that drift can break either way: where either reply lists the other's token among its
-   best ``TOP_ALTERNATIVES`` within ``DRIFT_TOL`` of its own choice (bf16 ties are often
-   three-way, so two alternatives are not enough). From there on the histories differ and
-   nothing more is compared.
-   Tests measure vLLM's own drift beside it and check that it stays within ``DRIFT_TOL``.
-
-A wrong KV block is not drift: it changes logprobs by far more (0.5 to several nats on the
-tiny model) at positions that are no tie. ``tests/e2e/test_guard.py`` checks that the tiny
-model is sensitive enough for either rule to see one.
-
-Which copy does kvkeep keep? vLLM sometimes computes a block it already holds again: the last
-block of a block-aligned prompt (vLLM must compute at least one token), or a partial block that
-decode completes. kvkeep keeps the first copy (RESERVE skips stored keys); vLLM's later device
-hits use the newer one. Both are valid KV for the same tokens, so by rule 2 either is right,
-but rule 1 holds only against a hit on the copy kvkeep kept. Tests that compare with rule 1
-are built so that no block is computed twice.
+A wrong KV block moves logprobs by far more (0.5 to several nats on the tiny model) at
+positions that are no tie (``tests/e2e/test_guard.py``). Rule 1 holds only against a hit on the
+copy kvkeep kept (the first of a block vLLM computes twice), so tests that use it compute no
+block twice.
 """
 
 from __future__ import annotations
@@ -64,14 +51,14 @@ class Verdict:
 
 def same_as_hit(candidate: Reply, hit: Reply, tol: float = EXACT_TOL) -> Verdict:
     """Rule 1: the same tokens and logprobs as vLLM's own prefix-cache hit on the same KV."""
-    n = len(hit.token_ids)
-    if list(candidate.token_ids) != list(hit.token_ids):
-        at = _first_difference(candidate.token_ids, hit.token_ids)
-        upto = Reply(candidate.token_ids[: at + 1], candidate.logprobs[: at + 1])
-        worst = max_gap(upto, hit)
+    ours, theirs, n = list(candidate.token_ids), list(hit.token_ids), len(hit.token_ids)
+    if ours != theirs:
+        pairs = enumerate(zip(ours, theirs, strict=False))
+        at = next((i for i, (x, y) in pairs if x != y), min(len(ours), n))
+        worst = _max_gap(candidate.logprobs[: at + 1], hit.logprobs)
         why = f"token {at} differs from vLLM's own prefix-cache hit (logprobs by {worst:.3g})"
         return Verdict(False, why, at, worst)
-    worst = max_gap(candidate, hit)
+    worst = _max_gap(candidate.logprobs, hit.logprobs)
     if worst > tol:
         return Verdict(False, f"logprobs differ by {worst:.4g} (> {tol:g})", n, worst)
     return Verdict(True, "", n, worst)
@@ -96,9 +83,9 @@ def same_as_cold(candidate: Reply, cold: Reply, tol: float = DRIFT_TOL) -> Verdi
     return Verdict(True, "", len(cold.token_ids), worst)
 
 
-def max_gap(a: Reply, b: Reply) -> float:
+def _max_gap(a: Sequence[float], b: Sequence[float]) -> float:
     """The largest logprob difference over positions where both replies have one."""
-    return max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=False)), default=0.0)
+    return max((abs(x - y) for x, y in zip(a, b, strict=False)), default=0.0)
 
 
 def _tie(reply: Reply, i: int, other: int, tol: float) -> bool:
@@ -107,9 +94,3 @@ def _tie(reply: Reply, i: int, other: int, tol: float) -> bool:
         return False
     top = reply.top[i]
     return other in top and reply.logprobs[i] - top[other] <= tol
-
-
-def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
-    return next(
-        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
-    )

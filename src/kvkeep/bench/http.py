@@ -1,13 +1,5 @@
-"""Closed-loop coding agents against one or several OpenAI-compatible endpoints.
-
-`agent_loop` is the one agent loop: each agent sends its turns in order, the next when the
-previous one is done and its tool has "run" (`tool_delay_s`), many agents on one event loop.
-`run_agents` measures every turn with it (`TurnResult`: the server's token counts and the
-client's TTFT and latency; computed tokens are prompt minus cached). With several URLs, turn
-``t`` of agent ``a`` goes to replica ``(a + t) % N``: consecutive turns of an agent never share
-a replica, the worst case for locality. `bench soak` runs its own step in the same loop.
-`summarize_agents` gives the `AgentsSummary` both agents results carry.
-"""
+"""Closed-loop coding agents against one or several OpenAI-compatible endpoints: the one agent
+loop (`agent_loop`; `run_agents`, the replay and `bench soak` each run their step in it)."""
 
 from __future__ import annotations
 
@@ -66,16 +58,16 @@ async def agent_loop(
         await asyncio.gather(*(agent(a, t) for a, t in enumerate(sessions)))
 
 
-Progress = Callable[[TurnResult], None]
-
-
 async def run_agents(
     urls: Sequence[str],
     sessions: Sequence[Sequence[Turn]],
     tool_delay_s: float = 0.0,
-    progress: Progress | None = None,
+    progress: Callable[[TurnResult], None] | None = None,
 ) -> list[TurnResult]:
-    """Run every session closed-loop and concurrently; results in completion order."""
+    """Run every session closed-loop and concurrently, measuring each turn (computed tokens
+    are prompt minus cached); results in completion order. With several URLs, turn ``t`` of
+    agent ``a`` goes to replica ``(a + t) % N``: an agent's consecutive turns never share a
+    replica, the worst case for locality."""
     results: list[TurnResult] = []
     async with httpx.AsyncClient() as client:
         model = await discover_model(client, urls[0])

@@ -1,12 +1,9 @@
 """What a scenario reads from the system under test besides the responses themselves.
 
-One Prometheus parser (`samples`), and what is built on it: vLLM's token counters
-(`vllm_counters`), the kvkeep connector's (`kvkeep_tokens`), and `Probe`, which bundles a
-server URL with the counters a scenario diffs around a measurement: vLLM's device and
-connector hits and, where a kvkeep cache server is deployed, its per-tier hits. A probe
-without a cache server reads no kvkeep tiers, so every mode reports the same fields.
-`hit_split` turns a difference into `HitRates`, the hit-rate group several results share
-(`mean_rates` combines several measurements).
+One Prometheus parser (`samples`) and the counters read with it. A `Probe` snapshots what a
+scenario diffs around a measurement: vLLM's device and connector hits and, where a kvkeep
+cache server is deployed, its hits per tier (none without one, so every mode reports the same
+fields). `hit_split` turns a difference into `HitRates`, the group several results share.
 """
 
 from __future__ import annotations
@@ -42,14 +39,6 @@ def samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
             yield m.group(1), dict(_LABEL.findall(m.group(2) or "")), float(m.group(3))
 
 
-def parse_prometheus(text: str) -> dict[str, float]:
-    """Sum every sample of each metric name over its labels."""
-    totals: dict[str, float] = {}
-    for name, _, value in samples(text):
-        totals[name] = totals.get(name, 0.0) + value
-    return totals
-
-
 def scrape(url: str) -> str:
     """`{url}/metrics` as text; raises httpx.HTTPError."""
     r = httpx.get(f"{url}/metrics", timeout=30)
@@ -57,10 +46,13 @@ def scrape(url: str) -> str:
     return r.text
 
 
-def vllm_counters(url: str, names: Sequence[str] = VLLM_COUNTERS) -> dict[str, float]:
-    """The chosen counters from `{url}/metrics` (missing ones read as 0)."""
-    totals = parse_prometheus(scrape(url))
-    return {name: totals.get(name, 0.0) for name in names}
+def vllm_counters(url: str) -> dict[str, float]:
+    """`VLLM_COUNTERS` from `{url}/metrics`, each summed over its labels (0 where missing)."""
+    out = dict.fromkeys(VLLM_COUNTERS, 0.0)
+    for name, _, value in samples(scrape(url)):
+        if name in out:
+            out[name] += value
+    return out
 
 
 def kvkeep_tokens(url: str) -> dict[str, float]:
@@ -92,9 +84,6 @@ def metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict[str
     return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
 
 
-TierStats = Callable[[], "dict[str, Any] | None"]
-
-
 @dataclass(frozen=True)
 class Counters:
     """A snapshot (or a difference) of every counter a scenario may diff."""
@@ -114,7 +103,7 @@ class Probe:
     """A server's counters; ``url`` may be a callable for a server that restarts."""
 
     url: str | Callable[[], str]
-    tier_stats: TierStats | None = None
+    tier_stats: Callable[[], dict[str, Any] | None] | None = None
 
     def snapshot(self) -> Counters:
         return Counters(vllm_counters(self.current_url()), self._tier_hits())

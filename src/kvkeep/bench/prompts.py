@@ -1,10 +1,6 @@
-"""Token-id prompts: long documents, the question appended to each, and querying them.
-
-A document is a run of token ids unique to its seed (`kvkeep.workload.random_ids`), so no two
-documents (and no two runs) share a prefix block. A query is a document followed by a short
-question, so that every query of a document shares its full blocks and differs only in its
-tail. Used by the capacity and restart scenarios.
-"""
+"""Token-id prompts: documents unique to their seed (`kvkeep.workload.random_ids`: no two
+documents, and no two runs, share a prefix block), each queried with a short question after it,
+so every query of a document shares its full blocks and differs only in its tail."""
 
 from __future__ import annotations
 
@@ -25,11 +21,6 @@ from kvkeep.workload import QUESTION_TOKENS, random_ids
 def documents(count: int, tokens: int, seed: str) -> list[list[int]]:
     """`count` documents of `tokens` token ids, deterministic in `seed`."""
     return [random_ids(tokens, f"docs:{seed}:{i}") for i in range(count)]
-
-
-def question(index: int, salt: int = 0) -> list[int]:
-    """The question appended to query `index` (vary `salt` for a new question)."""
-    return [10 + (index * 13 + salt * 7 + j) % 90 for j in range(QUESTION_TOKENS)]
 
 
 @dataclass(frozen=True)
@@ -61,7 +52,8 @@ def query(
         async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as client:
             model = await discover_model(client, url)
             for i, doc in enumerate(docs):
-                out.append(await complete_ids(client, url, model, doc + question(i, salt)))
+                ask = [10 + (i * 13 + salt * 7 + j) % 90 for j in range(QUESTION_TOKENS)]
+                out.append(await complete_ids(client, url, model, doc + ask))
                 if progress:
                     progress()
         return out

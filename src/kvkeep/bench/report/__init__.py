@@ -1,19 +1,7 @@
-"""Reports from scenario results: `report.md`, `report.html`, `results.json` and PNG files.
-
-A results document (the JSON of the scenarios' result dataclasses, as `result.to_json` writes
-it, so a saved results.json renders the same) is either one scenario (`{"scenario": NAME,
-"modes": {...}}`) or several (`{"scenarios": {NAME: {"scenario": NAME, "modes": {...}}}}`).
-Every number in a table is measured in the run that produced the document, except the column
-headed "study", which quotes the published study the benchmark reproduces.
-
-    __init__.py     markdown() and write_report()
-    results.py      the document's two shapes, read alike; the scenarios that failed
-    tables.py       one Markdown table per scenario, and the study's claims side by side
-    plots.py        the PNG plots
-    html.py         report.html: the tables and plots in one self-contained page
-    environment.py  the machine and versions, recorded beside every result
-    soak.py         `bench soak`'s own table and plot
-"""
+"""Reports from a results document (its shapes: `results.py`): `report.md`, `report.html`,
+`results.json` and PNG files, the same from a saved results.json. Every number in a table is
+measured in the run that produced the document, except the column headed "study", which quotes
+the published study the benchmark reproduces."""
 
 from __future__ import annotations
 

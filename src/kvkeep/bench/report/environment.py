@@ -6,6 +6,7 @@ vLLM (their versions come from the installed distributions' metadata), no networ
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
@@ -38,13 +39,11 @@ def machine() -> dict[str, Any]:
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cpus
     return {
         "os": platform.platform(),
-        "cpu": _proc_field("/proc/cpuinfo", "model name")
-        or platform.processor()
-        or platform.machine(),
+        "cpu": _cpu_model() or platform.processor() or platform.machine(),
         "logical_cpus": cpus,
         "usable_cpus": usable,
         "memory_gib": round(psutil.virtual_memory().total / (1 << 30), 1),
-        "gpus": _gpus(),
+        "gpus": _output("nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"),
         "env": {
             k: os.environ[k]
             for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_NUM_OF_RESERVED_CPU", "OMP_NUM_THREADS")
@@ -56,13 +55,12 @@ def machine() -> dict[str, Any]:
 def versions() -> dict[str, str]:
     out = {"python": sys.version.split()[0]}
     for name in PACKAGES:
-        try:
+        with contextlib.suppress(metadata.PackageNotFoundError):
             out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    commit = _git_commit()
+    here = str(Path(__file__).resolve().parent)
+    commit = _output("git", "-C", here, "describe", "--always", "--dirty")
     if commit:
-        out["kvkeep_commit"] = commit
+        out["kvkeep_commit"] = commit[0]
     return out
 
 
@@ -100,28 +98,19 @@ def markdown(env: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _proc_field(path: str, name: str) -> str | None:
-    """The value after ``name:`` in a /proc file such as /proc/cpuinfo (None if absent)."""
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError:
-        return None
-    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith(name)), None)
+def _cpu_model() -> str | None:
+    """The CPU's model name from /proc/cpuinfo (None where there is none)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return None
 
 
-def _output(argv: list[str]) -> str:
-    """A quick command's output ('' if it is missing or fails)."""
+def _output(*argv: str) -> list[str]:
+    """The non-empty lines a quick command prints, stripped ([] if it is missing or fails)."""
     try:
-        return subprocess.run(argv, capture_output=True, text=True, timeout=5, check=True).stdout
+        run = subprocess.run(argv, capture_output=True, text=True, timeout=5, check=True)
     except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def _gpus() -> list[str]:
-    query = ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"]
-    return [line.strip() for line in _output(query).splitlines() if line.strip()]
-
-
-def _git_commit() -> str | None:
-    here = Path(__file__).resolve().parent
-    return _output(["git", "-C", str(here), "describe", "--always", "--dirty"]).strip() or None
+        return []
+    return [line.strip() for line in run.stdout.splitlines() if line.strip()]

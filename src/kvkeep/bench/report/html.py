@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import base64
+import html as h
 from pathlib import Path
+
+STYLE = (
+    "body{font-family:sans-serif;max-width:1100px;margin:2em auto}"
+    "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:4px 8px}"
+    "img{max-width:100%}"
+)
 
 
 def html(markdown_text: str, plots: list[Path]) -> str:
     """A single self-contained page: the report's tables and the plots embedded as data URIs."""
-    import base64
-    import html as h
-
     parts = []
     for block in markdown_text.split("\n\n"):
         lines = block.strip().splitlines()
@@ -28,23 +33,15 @@ def html(markdown_text: str, plots: list[Path]) -> str:
     for p in plots:
         data = base64.b64encode(p.read_bytes()).decode()
         parts.append(f'<figure><img alt="{p.stem}" src="data:image/png;base64,{data}"></figure>')
-    style = (
-        "body{font-family:sans-serif;max-width:1100px;margin:2em auto}"
-        "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:4px 8px}"
-        "img{max-width:100%}"
-    )
     return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>kvkeep bench report</title>"
-        f"<style>{style}</style></head><body>{''.join(parts)}</body></html>\n"
+        f"<style>{STYLE}</style></head><body>{''.join(parts)}</body></html>\n"
     )
 
 
 def _html_table(lines: list[str]) -> str:
-    import html as h
-
-    cells = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in lines]
-    head, rows = cells[0], [r for r in cells[2:]]
-    out = "<table><tr>" + "".join(f"<th>{h.escape(c)}</th>" for c in head) + "</tr>"
-    for r in rows:
-        out += "<tr>" + "".join(f"<td>{h.escape(c)}</td>" for c in r) + "</tr>"
-    return out + "</table>"
+    """A Markdown table (its header, the `|---|` rule, its rows) as an HTML table."""
+    cells = [[h.escape(c.strip()) for c in ln.strip().strip("|").split("|")] for ln in lines]
+    head = "".join(f"<th>{c}</th>" for c in cells[0])
+    rows = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in cells[2:])
+    return f"<table><tr>{head}</tr>{rows}</table>"

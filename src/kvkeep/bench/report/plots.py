@@ -1,4 +1,4 @@
-"""The report's PNG plots, one function per scenario (`PLOTS`; agents takes the fit run)."""
+"""The report's PNG plots, one function per scenario (`PLOTS`; `plot_agents` takes the fit run)."""
 
 from __future__ import annotations
 
@@ -93,9 +93,7 @@ def plot_agents(doc: dict[str, Any], out: Path, fit: dict[str, Any] | None = Non
     """Turns/min by mode; with ``fit`` (the run whose working set fits), both runs side by side."""
     modes = list(doc["modes"])
     series: dict[str, list[float]] = {}
-    for run in (doc, fit):
-        if run is None:
-            continue
+    for run in filter(None, (doc, fit)):
         first: dict[str, Any] = next(iter(run["modes"].values()), {})
         ratio = first.get("working_set_over_pool")
         label = "turns/min" if ratio is None else f"working set {ratio:.2f}x pool"
@@ -146,6 +144,5 @@ PLOTS: dict[str, Callable[[dict[str, Any], Path], list[Path]]] = {
     "session": plot_session,
     "ttft": plot_ttft,
     "capacity": plot_capacity,
-    "agents": plot_agents,
     "replay": plot_replay,
 }

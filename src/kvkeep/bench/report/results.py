@@ -1,4 +1,10 @@
-"""The two shapes of a results document, read alike, and the scenario runs that failed."""
+"""The two shapes of a results document, read alike, and the scenario runs that failed.
+
+A results document is the JSON of the scenarios' result dataclasses (`result.to_json`): one
+scenario (`{"scenario": NAME, "modes": {...}}`) or several (`{"scenarios": {NAME: {...}}}`).
+A scenario's ``modes`` holds a JSON object per mode: its result, ``{}`` for a mode it does not
+run in, or ``{"error": ...}`` for a run that failed.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +12,7 @@ from typing import Any
 
 
 def _raw_scenarios(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    if "scenarios" in doc:
-        return dict(doc["scenarios"])
-    return {str(doc["scenario"]): doc}
-
-
-def _failed(result: Any) -> bool:
-    return isinstance(result, dict) and "error" in result
+    return dict(doc["scenarios"]) if "scenarios" in doc else {str(doc["scenario"]): doc}
 
 
 def scenarios(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -20,12 +20,8 @@ def scenarios(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
     (see ``errors``); a scenario that failed in every mode is left out."""
     out = {}
     for name, d in _raw_scenarios(doc).items():
-        modes = d.get("modes")
-        if not isinstance(modes, dict):
-            out[name] = d
-            continue
-        kept = {m: r for m, r in modes.items() if not _failed(r)}
-        if kept or not modes:
+        kept = {m: r for m, r in d["modes"].items() if "error" not in r}
+        if kept or not d["modes"]:
             out[name] = {**d, "modes": kept}
     return out
 
@@ -35,6 +31,6 @@ def errors(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
     return [
         (name, mode, str(r["error"]))
         for name, d in _raw_scenarios(doc).items()
-        for mode, r in (d.get("modes") or {}).items()
-        if _failed(r)
+        for mode, r in d["modes"].items()
+        if "error" in r
     ]

@@ -11,28 +11,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvkeep.bench.report.results import _raw_scenarios, scenarios
+from kvkeep.vllm.counters import PROFILE_NAMES
 
 Format = Callable[[Any], str]
 
 
-def _int(v: Any) -> str:
-    return "-" if v is None else f"{int(v):,}"
+def _fmt(pattern: str, value: Callable[[Any], Any] = float) -> Format:
+    """A cell's text: ``pattern`` of ``value(v)``, or "-" where nothing was measured (None)."""
+    return lambda v: "-" if v is None else pattern.format(value(v))
 
 
-def _s(v: Any) -> str:
-    return "-" if v is None else f"{float(v):.3f} s"
-
-
-def _x(v: Any) -> str:
-    return "-" if v is None else f"{float(v):.1f}x"
-
-
-def _f1(v: Any) -> str:
-    return "-" if v is None else f"{float(v):.1f}"
-
-
-def _pct(v: Any) -> str:
-    return "-" if v is None else f"{100 * float(v):.1f}%"
+_int, _s, _x, _f1 = _fmt("{:,}", int), _fmt("{:.3f} s"), _fmt("{:.1f}x"), _fmt("{:.1f}")
+_pct = _fmt("{:.1f}%", lambda v: 100 * float(v))
 
 
 def _table(header: list[str], rows: Iterable[list[str]]) -> str:
@@ -177,7 +167,7 @@ remote_restart_table = Table(
     "### A host lost and replaced: TTFT cold, from kvkeep RAM, from the remote tier\n\n", (
     Column("cold", "cold_ttft_s"), Column("RAM hit", "ram_ttft_s"),
     Column("remote hit", "remote_ttft_s"), Column("remote hit rate", "remote_hit_rate", _pct),
-    Column("KV bytes/token", "kv_bytes_per_token", lambda v: "-" if v is None else str(v)),
+    Column("KV bytes/token", "kv_bytes_per_token", _fmt("{}", str)),
 ))  # fmt: skip
 
 
@@ -245,7 +235,7 @@ def claims_table(doc: dict[str, Any]) -> str:
     ("-" where that mode did not measure it)."""
     docs = scenarios(doc)
     raw = _raw_scenarios(doc).values()
-    modes = list(dict.fromkeys(m for d in raw for m in d.get("modes") or {}))
+    modes = list(dict.fromkeys(m for d in raw for m in d["modes"]))
     sizes = [int(s) for m in modes for s in _get(docs, ("ttft", "modes", m, "sizes")) or {}]
     big = max(sizes, default=0)
     rows = [
@@ -272,9 +262,8 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
 }
 
 
-PROFILE_OPS = ("match", "lookup_rpc", "plan", "acquire_rpc", "verify", "copy_in",
-               "release_rpc", "copy_out", "reserve_rpc", "slot_copy", "checksum", "commit_rpc",
-               "load", "save")  # fmt: skip
+# The connector's phases (`vllm:kvkeep_seconds_total{op=...}`), then its whole load and save.
+PROFILE_OPS = (*(name.removesuffix("_s") for name in PROFILE_NAMES), "load", "save")
 
 
 def profile_table(doc: dict[str, Any]) -> str:
@@ -282,8 +271,8 @@ def profile_table(doc: dict[str, Any]) -> str:
     one row per scenario and mode that recorded a profile (mode kvkeep; the others are 0)."""
     rows = []
     for name, d in scenarios(doc).items():
-        for mode, result in (d.get("modes") or {}).items():
-            prof = result.get("profile") if isinstance(result, dict) else None
+        for mode, result in d["modes"].items():
+            prof = result.get("profile")
             if not prof or not any(prof.get(op) for op in PROFILE_OPS):
                 continue
             n = max(prof.get("requests", 0.0), 1.0)
