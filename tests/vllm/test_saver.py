@@ -167,3 +167,15 @@ def test_staging_holds_two_steps_by_default_and_splits_a_small_budget() -> None:
     assert staging_shape(100, mib, 8 * mib) == (16, 1)  # a small budget: more, smaller jobs
     assert staging_shape(100, 16 * mib, 1) == (16, 1)
     assert staging_shape(768, 2 * mib, None) == (16, 32)  # capped at 1 GiB (pinned on CUDA)
+
+
+def test_the_saver_thread_gives_way_to_the_engine(server: Server) -> None:
+    """The thread that stores saves runs at SCHED_IDLE (kvkeep.background); the step's thread
+    (here the test's) keeps its priority."""
+    saver, _ = make_saver(server, engine())
+    try:
+        assert saver._thread.native_id is not None
+        assert os.sched_getscheduler(saver._thread.native_id) == os.SCHED_IDLE
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER
+    finally:
+        saver.shutdown()

@@ -9,6 +9,7 @@ import resource
 import sys
 from pathlib import Path
 
+from kvkeep.background import POLICIES, set_policy
 from kvkeep.server.metrics import serve_metrics
 from kvkeep.server.server import CacheServer, ServerConfig
 from kvkeep.store.remote import RemoteConfig, WritePolicy
@@ -40,6 +41,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
     ap.add_argument("--metrics-host", default="127.0.0.1")
     ap.add_argument("--queue-depth", type=int, default=256, help="write-through queue bound")
+    ap.add_argument(
+        "--background",
+        choices=POLICIES,
+        default="idle",
+        help="idle (default): write-through to the lower tiers runs only on cores nothing "
+        "else wants, so it never slows the engine; normal: at the server's own priority",
+    )
     ap.add_argument("--extent", type=_size, default=64 << 20, help="arena extent (max block)")
     _remote_arguments(ap.add_argument_group("remote tier (a Valkey/Redis shared by servers)"))
     return ap
@@ -114,6 +122,7 @@ def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     _raise_fd_limit()
+    set_policy(args.background)
     try:
         server = CacheServer(config_from(args))
     except (ValueError, RuntimeError, OSError) as exc:

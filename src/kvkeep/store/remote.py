@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 from urllib.parse import unquote
 
+from kvkeep.background import give_way
 from kvkeep.store.base import Found, StoreKey, TierCounters, TierStats, copy_checked
 from kvkeep.store.keyformat import REMOTE_KEY_PREFIX
 from kvkeep.store.throttle import Breaker, TokenBucket
@@ -405,6 +406,7 @@ class RemoteTier:
             self._call(lambda c: c.delete(self._rkey(key)))
 
     def _write_loop(self) -> None:
+        give_way()  # never on a request's path: run in the engine's idle moments
         while (batch := self._next_batch()) is not None:
             try:
                 self._send(batch)

@@ -27,7 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kvkeep.store.base import StoreKey, Tier, checksum
+from kvkeep.background import give_way
+from kvkeep.store.base import NullTier, StoreKey, Tier, checksum
 from kvkeep.store.memory import ArenaTier
 from kvkeep.store.slots import INTERNAL, Holder, Offset, Pinned
 
@@ -104,7 +105,9 @@ class TieredStore:
         unknown = config.on_evict - {t.name for t in self._lower}
         if unknown:
             raise ValueError(f"on_evict names tiers {sorted(unknown)} that are not configured")
-        self._through = [t for t in self._lower if t.name not in config.on_evict]
+        # a tier configured off holds nothing: queueing writes for it would only pin RAM
+        writable = [t for t in self._lower if not isinstance(t, NullTier)]
+        self._through = [t for t in writable if t.name not in config.on_evict]
         self._spill = [t for t in self._lower if t.name in config.on_evict]
         if self._spill:
             ram.on_evict = self._spill_evicted
@@ -362,6 +365,7 @@ class TieredStore:
             self.dropped_writes += 1
 
     def _write_loop(self) -> None:
+        give_way()  # never on a request's path: run in the engine's idle moments
         while (write := self._queue.get()) is not None:
             try:
                 self._write_through(write)

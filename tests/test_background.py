@@ -1,0 +1,75 @@
+"""kvkeep's background threads give way to the engine: under the default policy they are in
+Linux's SCHED_IDLE class, in the cache server and in the connector's saver; the rest of the
+process is not."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import psutil
+import pytest
+
+from kvkeep import background
+from kvkeep.vllm.scheduling import ConnectorConfig
+from serverproc import Server
+
+
+def policy_in_thread() -> tuple[bool, int]:
+    out: list[tuple[bool, int]] = []
+
+    def run() -> None:
+        out.append((background.give_way(), os.sched_getscheduler(0)))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return out[0]
+
+
+@pytest.fixture
+def restore_policy():
+    yield
+    background.set_policy("idle")
+
+
+def test_give_way_lowers_only_the_calling_thread(restore_policy: None) -> None:
+    assert policy_in_thread() == (True, os.SCHED_IDLE)
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
+    background.set_policy("normal")
+    assert policy_in_thread() == (False, os.SCHED_OTHER)
+    with pytest.raises(ValueError, match="idle, normal"):
+        background.set_policy("low")
+
+
+def test_the_connector_setting_is_checked() -> None:
+    assert ConnectorConfig.from_extra({"socket": "/s"}).background == "idle"
+    assert ConnectorConfig.from_extra({"socket": "/s", "background": "normal"}).background == (
+        "normal"
+    )
+    with pytest.raises(ValueError, match="background must be one of idle, normal"):
+        ConnectorConfig.from_extra({"socket": "/s", "background": "low"})
+
+
+def thread_policies(pid: int) -> dict[int, int]:
+    return {t.id: os.sched_getscheduler(t.id) for t in psutil.Process(pid).threads()}
+
+
+@pytest.mark.parametrize("policy", ["idle", "normal"])
+def test_the_cache_servers_write_through_runs_at_idle_priority(
+    tmp_path: Path, policy: str
+) -> None:
+    """The writer thread is idle by default and normal with ``--background normal``; the
+    thread that answers requests is never lowered."""
+    directory = tmp_path / "srv"
+    directory.mkdir()
+    server = Server(directory, ["--ram", "32MiB", "--disk", "64MiB", "--background", policy])
+    server.start()
+    try:
+        policies = thread_policies(server.pid)
+        assert policies[server.pid] == os.SCHED_OTHER
+        idle = [tid for tid, p in policies.items() if p == os.SCHED_IDLE]
+        assert len(idle) == (1 if policy == "idle" else 0), policies
+    finally:
+        server.kill()
