@@ -57,9 +57,7 @@ def thread_policies(pid: int) -> dict[int, int]:
 
 
 @pytest.mark.parametrize("policy", ["idle", "normal"])
-def test_the_cache_servers_write_through_runs_at_idle_priority(
-    tmp_path: Path, policy: str
-) -> None:
+def test_the_cache_servers_write_through_runs_at_idle_priority(tmp_path: Path, policy: str) -> None:
     """The writer thread is idle by default and normal with ``--background normal``; the
     thread that answers requests is never lowered."""
     directory = tmp_path / "srv"

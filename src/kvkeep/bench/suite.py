@@ -212,17 +212,26 @@ class ReplaySize:
 QUICK = Size(
     pool_blocks=128, session_scale=0.1, ttft_sizes=(2048, 8192), hol_long=8192,
     capacity_doc_tokens=2048, capacity_rounds=2, agents=8, agent_turns=30, agent_scale=0.08,
-    restart_docs=3, restart_doc_tokens=4096,
+    restart_docs=8, restart_doc_tokens=4096,
     replay=ReplaySize(files=("trace_0086", "trace_0624", "trace_0427", "trace_0021"),
                       block_tokens=4, pool_blocks=25, time_scale=0.0002),
 )  # fmt: skip
 FULL = Size(
     pool_blocks=256, session_scale=0.25, ttft_sizes=(4096, 16384), hol_long=16384,
     capacity_doc_tokens=4096, capacity_rounds=3, agents=8, agent_turns=30, agent_scale=0.1,
-    restart_docs=4, restart_doc_tokens=8192, agent_fit_scale=0.02,
+    restart_docs=6, restart_doc_tokens=8192, agent_fit_scale=0.02,
     replay=ReplaySize(files=("trace_0086", "trace_0624", "trace_0427", "trace_0021",
                              "trace_0617", "trace_0358"), block_tokens=8, pool_blocks=49),
 )  # fmt: skip
+
+
+def restart_spec(size: Size) -> RestartSpec:
+    """S4 on a pool of its own that holds all its documents (each with one more block for its
+    question and reply, and 8 spare): a mean over 2 timed documents moved by half between
+    runs."""
+    blocks = -(-size.restart_doc_tokens // BLOCK) + 1
+    return RestartSpec(docs=size.restart_docs, doc_tokens=size.restart_doc_tokens,
+                       pool_blocks=size.restart_docs * blocks + 8)  # fmt: skip
 
 
 def suite(size: Size, counter: TokenCounter, hol_reference: bool = True) -> list[Scenario]:
@@ -243,8 +252,7 @@ def suite(size: Size, counter: TokenCounter, hol_reference: bool = True) -> list
         fit = replace(agents, scale=size.agent_fit_scale)
         out.append(AgentsScenario(fit, counter, agents=size.agents, tool_delay_s=0.2,
                                   pool_tokens=pool, name="agents_fit"))  # fmt: skip
-    out.append(RestartScenario(RestartSpec(docs=size.restart_docs,
-                                           doc_tokens=size.restart_doc_tokens)))  # fmt: skip
+    out.append(RestartScenario(restart_spec(size)))
     s7 = size.replay  # its own small pool, after restart: a deployment of its own either way
     files = tuple(DEFAULT_TRACES / f"{name}.json.gz" for name in s7.files)
     spec = ReplaySpec(traces=files, sessions=len(files), block_tokens=s7.block_tokens,

@@ -34,6 +34,9 @@ class RestartSpec:
     docs: int = 4  # after a restart the first takes the one-time costs; the rest are timed
     doc_tokens: int = 8192
     block_size: int = 128
+    # a device pool of its own that holds every document (None: the run's), so that the warm
+    # pass is all device hits however many documents are timed
+    pool_blocks: int | None = None
 
     def __post_init__(self) -> None:
         """Raise ValueError naming the option to change."""
@@ -102,7 +105,8 @@ class RestartScenario:
     name: str = "restart"
 
     def needs(self) -> Needs:
-        return Needs(tokens=self.spec.tokens, modes=("vllm", "kvkeep"), own_engine=True)
+        return Needs(tokens=self.spec.tokens, modes=("vllm", "kvkeep"), own_engine=True,
+                     num_blocks=self.spec.pool_blocks)  # fmt: skip
 
     def run(self, ctx: RunContext) -> RestartResult:
         """The whole sequence on the context's engine (and cache server), restarting both."""
