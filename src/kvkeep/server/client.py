@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import mmap
-import os
 import socket
 import threading
 import time
@@ -30,6 +29,7 @@ import numpy as np
 
 from kvkeep.keys import BlockKey, Namespace
 from kvkeep.server import protocol as p
+from kvkeep.server.arenamap import ArenaMap, shared_map
 from kvkeep.store.base import checksum
 from kvkeep.store.slots import Offset
 
@@ -80,6 +80,7 @@ class _Arena(NamedTuple):
     instance: str
     map: mmap.mmap
     tiers: tuple[str, ...]
+    shared: ArenaMap  # keeps the process's mapping alive while this client uses it
 
 
 class KVKeepClient:
@@ -255,15 +256,11 @@ class KVKeepClient:
         if self._arena is not None and self._arena.instance == reply.instance:
             return
         try:
-            fd = os.open(reply.arena_path, os.O_RDWR)
+            shared = shared_map(reply.arena_path, reply.instance, reply.arena_bytes)
         except OSError as exc:
             raise CacheUnavailable(f"cannot map the arena: {exc}") from exc
-        try:
-            arena_map = mmap.mmap(fd, reply.arena_bytes)
-        finally:
-            os.close(fd)
         # The old map is left to the garbage collector: views of it may still be alive.
-        self._arena = _Arena(reply.instance, arena_map, reply.tiers)
+        self._arena = _Arena(reply.instance, shared.map, reply.tiers, shared)
 
     @contextlib.contextmanager
     def _parsing(self, op: p.Op) -> Iterator[None]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -116,6 +117,21 @@ class WorkerSide:
             "fused" if self.layout.fused else "per-layer",
             *shape,
         )
+        threading.Thread(target=self._connect_early, name="kvkeep-connect", daemon=True).start()
+
+    def _connect_early(self) -> None:
+        """Map the cache server's arena while the engine starts, not on the first request
+        (``kvkeep.server.arenamap`` populates it in the background). Never raises: with the
+        server down, loads and saves find out for themselves."""
+        assert self.layout is not None
+        ns = compat.namespace(self.vllm_config, self.kv_cache_config, self.group)
+        if self.tp_rank:
+            ns = replace(ns, tp_rank=self.tp_rank)
+        label = compat.group_label(f"worker{self.tp_rank}", self.group, self.windows)
+        try:
+            self.client.hello(ns, self.layout.block_bytes, label)
+        except Exception as exc:
+            log.debug("kvkeep: no cache server at start-up (%s); connecting on first use", exc)
 
     def _session(self, plan: StepPlan) -> Session:
         assert self.layout is not None
