@@ -280,6 +280,22 @@ def test_counters_take_resets() -> None:
     assert c.take() is None
 
 
+def test_timings_alone_are_held_for_a_later_take() -> None:
+    """A decode step's plan time alone is not worth a stats message to vLLM's front end: it
+    waits (summed) until the hold has passed or a real count goes out with it."""
+    c = Counters()
+    c.add("plan_s", 0.001)
+    assert c.take(hold_timings_s=60) == {"plan_s": 0.001}  # nothing was taken for 60 s yet
+    c.add("plan_s", 0.002)
+    assert c.take(hold_timings_s=60) is None
+    c.add("plan_s", 0.003)
+    assert c.take(hold_timings_s=60) is None
+    c.add("saved_tokens", 128)
+    assert c.take(hold_timings_s=60) == {"plan_s": 0.005, "saved_tokens": 128}
+    c.add("plan_s", 0.001)
+    assert c.take(hold_timings_s=0) == {"plan_s": 0.001}
+
+
 def test_async_loads_start_at_the_threshold_and_a_failed_one_claims_no_more() -> None:
     book = RequestBook(NS, load_async_min_blocks=3)
     assert [book.in_background(n) for n in (0, 2, 3, 9)] == [False, False, True, True]

@@ -98,6 +98,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+STATS_HOLD_S = 1.0  # timings alone go to vLLM at most this often (Counters.take)
+
+
 class KVKeepMetadata(KVConnectorMetadata):
     """The scheduler's plans for this step, one per KV cache group, as the workers receive
     them (picklable)."""
@@ -279,10 +282,12 @@ class KVKeepConnector(KVConnectorBase_V1, SupportsHMA):
         return set() if self._hybrid else errors
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """What the connector counted since the last call (timings alone at most once per
+        STATS_HOLD_S, see ``Counters.take``)."""
         sides: list[Any] = [*self._workers, self._scheduler]
         data: dict[str, float] = {}
         for side in sides:
-            taken = side.counters.take() if side is not None else None
+            taken = side.counters.take(STATS_HOLD_S) if side is not None else None
             for name, value in (taken or {}).items():
                 data[name] = data.get(name, 0) + value
         return KVKeepStats(data=data) if data else None

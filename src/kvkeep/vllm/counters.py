@@ -75,6 +75,7 @@ class Counters:
 
     values: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COUNTER_NAMES, 0))
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    _taken: float = field(default=float("-inf"), repr=False, compare=False)  # of the last take
 
     def add(self, name: str, amount: float) -> None:
         with self._lock:
@@ -88,9 +89,19 @@ class Counters:
         """Add the block's wall time to ``name`` (seconds), also when it raises."""
         return timed(self.add, name)
 
-    def take(self) -> dict[str, float] | None:
-        """The non-zero counts since the last take, and reset; None if nothing happened."""
+    def take(self, hold_timings_s: float = 0.0) -> dict[str, float] | None:
+        """The non-zero counts since the last take, and reset; None if nothing happened.
+
+        With ``hold_timings_s``, counts that are only timings (``*_s``, as every step's plan
+        time is) are kept for a later take until they are that old: vLLM ships a connector's
+        stats to its front end in every step that has some, which on a decode step cost more
+        than kvkeep's own work. Every other count goes out at once."""
         with self._lock:
             data = {k: v for k, v in self.values.items() if v}
+            now = time.monotonic()
+            timings_only = all(k.endswith("_s") for k in data)
+            if not data or (timings_only and now - self._taken < hold_timings_s):
+                return None
             self.values = dict.fromkeys(COUNTER_NAMES, 0)
-        return data or None
+            self._taken = now
+        return data
