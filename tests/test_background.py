@@ -48,7 +48,7 @@ def test_the_connector_setting_is_checked() -> None:
     assert ConnectorConfig.from_extra({"socket": "/s", "background": "normal"}).background == (
         "normal"
     )
-    with pytest.raises(ValueError, match="background must be one of idle, normal"):
+    with pytest.raises(ValueError, match="background 'low': choose one of idle, normal"):
         ConnectorConfig.from_extra({"socket": "/s", "background": "low"})
 
 

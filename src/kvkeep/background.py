@@ -23,11 +23,16 @@ POLICIES = ("idle", "normal")
 _policy = "idle"
 
 
+def check_policy(policy: str, what: str = "background policy") -> None:
+    """Raise ValueError naming ``what`` and the choices unless ``policy`` is one."""
+    if policy not in POLICIES:
+        raise ValueError(f"{what} {policy!r}: choose one of {', '.join(POLICIES)}")
+
+
 def set_policy(policy: str) -> None:
     """Set this process's policy; raises ValueError naming the choices."""
     global _policy
-    if policy not in POLICIES:
-        raise ValueError(f"background policy {policy!r}: choose one of {', '.join(POLICIES)}")
+    check_policy(policy)
     _policy = policy
 
 

@@ -39,7 +39,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from kvkeep.background import POLICIES
+from kvkeep.background import check_policy
 from kvkeep.keys import BlockKey, Namespace, chain_keys
 
 # The counters lived here before they had a module; their old names still work.
@@ -82,9 +82,7 @@ class ConnectorConfig:
     # request waits a step or more, other requests' steps do not wait for its copies.
     # None: every load is synchronous.
     load_async_min_blocks: int | str | None = "auto"  # "auto": LOAD_ASYNC_MIN_BYTES of blocks
-    # "idle": the saver's and refresher's threads run only on cores the engine leaves idle
-    # (kvkeep.background); "normal": at the engine's priority
-    background: str = "idle"
+    background: str = "idle"  # the saver's and refresher's threads (kvkeep.background)
 
     def __post_init__(self) -> None:
         if not self.socket:
@@ -95,11 +93,7 @@ class ConnectorConfig:
             raise ValueError(f"max_backoff_s must lie in (0, 600], got {self.max_backoff_s}")
         if self.staging_mib is not None and not 1 <= self.staging_mib <= 65536:
             raise ValueError(f"staging_mib must lie in [1, 65536] MiB, got {self.staging_mib}")
-        if self.background not in POLICIES:
-            raise ValueError(
-                f"kv_connector_extra_config.background must be one of {', '.join(POLICIES)}, "
-                f"got {self.background!r}"
-            )
+        check_policy(self.background, "kv_connector_extra_config.background")
         blocks = self.load_async_min_blocks
         if blocks != "auto" and blocks is not None and (not isinstance(blocks, int) or blocks < 1):
             raise ValueError(
