@@ -1,6 +1,5 @@
-"""kvkeep's background threads give way to the engine: under the default policy they are in
-Linux's SCHED_IDLE class, in the cache server and in the connector's saver; the rest of the
-process is not."""
+"""kvkeep's background work gives way to the engine: under the default policy the cache
+server's write-through thread is in Linux's SCHED_IDLE class; the rest of the process is not."""
 
 from __future__ import annotations
 
@@ -12,7 +11,6 @@ import psutil
 import pytest
 
 from kvkeep import background
-from kvkeep.vllm.scheduling import ConnectorConfig
 from serverproc import Server
 
 
@@ -41,15 +39,6 @@ def test_give_way_lowers_only_the_calling_thread(restore_policy: None) -> None:
     assert policy_in_thread() == (False, os.SCHED_OTHER)
     with pytest.raises(ValueError, match="idle, normal"):
         background.set_policy("low")
-
-
-def test_the_connector_setting_is_checked() -> None:
-    assert ConnectorConfig.from_extra({"socket": "/s"}).background == "idle"
-    assert ConnectorConfig.from_extra({"socket": "/s", "background": "normal"}).background == (
-        "normal"
-    )
-    with pytest.raises(ValueError, match="background 'low': choose one of idle, normal"):
-        ConnectorConfig.from_extra({"socket": "/s", "background": "low"})
 
 
 def thread_policies(pid: int) -> dict[int, int]:

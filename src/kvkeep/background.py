@@ -1,18 +1,18 @@
-"""Background threads that give way to the engine.
+"""Background work that gives way to the engine.
 
-kvkeep's background work (storing saved blocks, writing them through to the lower tiers,
-refreshing hot prefixes) is never on a request's path, but it runs on the cores the engine
-computes on. On a CPU engine every core is in the forward's thread team, so a background
-thread that takes a core stalls the whole team until it yields. Under the ``idle`` policy
-(the default) ``give_way`` puts the calling thread in Linux's SCHED_IDLE class: it runs only
-on a core nothing else wants, so it uses the engine's idle moments and never preempts it.
-Under ``normal``, or where the kernel has no SCHED_IDLE, it does nothing.
+Some of kvkeep's work is never on a request's path and may wait: the cache server's
+write-through to its disk and remote tiers, and a client populating its arena mapping
+(``kvkeep.server.arenamap``). It runs on the cores the engine computes on, and on a CPU
+engine every core is in the forward's thread team, so a thread that takes a core stalls the
+whole team. Under the ``idle`` policy (the default) ``give_way`` puts the calling thread in
+Linux's SCHED_IDLE class: it runs on cores nothing else wants. Under ``normal``, or where the
+kernel has no SCHED_IDLE, it does nothing.
 
-What it costs: while every core is busy, background work waits. Saves wait in the saver's
-staging buffers (full buffers skip saves, counted); write-through waits in the store's queue
-(a full queue drops writes to the lower tiers, counted; the block stays in RAM). The policy
-is per process: the cache server sets it from ``--background``, the connector from its
-``background`` setting.
+What it costs: while every core is busy, write-through waits in the store's queue, and a full
+queue drops writes to the lower tiers (counted; the block stays in RAM). Saves are not such
+work: on an engine that is never idle a saver at idle priority stored almost nothing, so the
+connector's saver and refresher keep the engine's priority. The cache server sets the policy
+from ``--background``.
 """
 
 from __future__ import annotations

@@ -53,14 +53,15 @@ WINDOW_BLOCKS = -(-(WINDOW - 1) // BLOCK)  # vLLM's blocks for a sliding hit: 4
 class Rig(Deployment):
     def groups(self) -> dict[str, StoredNamespace]:
         """The engine's namespaces by kind and index (``g5/full``, ``g0/swa512``), as the
-        cache server recorded them."""
+        cache server recorded them (under the label of whichever side, the scheduler or a
+        worker, announced them first)."""
         known = json.loads((self.cache.cfg.directory / "namespaces.json").read_text())
         found = {}
         for entry in known.values():
-            label = entry["label"]
-            if label.startswith("scheduler/"):
+            role, _, kind = entry["label"].partition("/")
+            if role in ("scheduler", "worker0") and kind:
                 ns = StoredNamespace(bytes.fromhex(entry["namespace"]), int(entry["block_bytes"]))
-                found[label.removeprefix("scheduler/")] = ns
+                found[kind] = ns
         return found
 
     def full(self) -> StoredNamespace:

@@ -169,13 +169,13 @@ def test_staging_holds_two_steps_by_default_and_splits_a_small_budget() -> None:
     assert staging_shape(768, 2 * mib, None) == (16, 32)  # capped at 1 GiB (pinned on CUDA)
 
 
-def test_the_saver_thread_gives_way_to_the_engine(server: Server) -> None:
-    """The thread that stores saves runs at SCHED_IDLE (kvkeep.background); the step's thread
-    (here the test's) keeps its priority."""
+def test_the_saver_thread_keeps_the_engines_priority(server: Server) -> None:
+    """Saves are not background work that may wait for idle cores (kvkeep.background): on an
+    engine that is never idle, a saver at idle priority stored almost nothing, and S7's
+    kvkeep hit rate fell 8 points below the planner's."""
     saver, _ = make_saver(server, engine())
     try:
         assert saver._thread.native_id is not None
-        assert os.sched_getscheduler(saver._thread.native_id) == os.SCHED_IDLE
-        assert os.sched_getscheduler(0) == os.SCHED_OTHER
+        assert os.sched_getscheduler(saver._thread.native_id) == os.SCHED_OTHER
     finally:
         saver.shutdown()

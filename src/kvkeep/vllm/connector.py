@@ -75,7 +75,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from kvkeep import background
 from kvkeep.server.client import KVKeepClient
 from kvkeep.vllm import compat
 from kvkeep.vllm.hybrid import GroupLoads
@@ -122,7 +121,6 @@ class KVKeepConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         compat.check_supported(vllm_config, kv_cache_config)
         config = ConnectorConfig.from_extra(compat.extra_config(vllm_config))
-        background.set_policy(config.background)
         client = KVKeepClient(
             socket_path=config.socket,
             timeout_s=config.timeout_s,

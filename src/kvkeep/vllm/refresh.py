@@ -14,7 +14,6 @@ import queue
 import threading
 from collections.abc import Sequence
 
-from kvkeep.background import give_way
 from kvkeep.keys import BlockKey
 from kvkeep.server.client import CacheUnavailable, KVKeepClient, Session
 
@@ -59,7 +58,6 @@ class Refresher:
         self._thread.join(timeout=self._client.timeout_s + 1.0)
 
     def _loop(self) -> None:
-        give_way()  # never on a request's path: run in the engine's idle moments
         while (item := self._queue.get()) is not None:
             try:
                 self._client.touch(*item)

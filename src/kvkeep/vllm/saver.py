@@ -44,7 +44,6 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kvkeep.background import give_way
 from kvkeep.keys import BlockKey
 from kvkeep.server.client import CacheUnavailable, KVKeepClient, Session, SlotRef
 from kvkeep.store.base import checksum
@@ -162,7 +161,6 @@ class Saver:
     # in the background ---------------------------------------------------------------------
 
     def _loop(self) -> None:
-        give_way()  # never on a request's path: run in the engine's idle moments
         while True:
             job = self._jobs.get()
             if job is None:

@@ -39,7 +39,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from kvkeep.background import check_policy
 from kvkeep.keys import BlockKey, Namespace, chain_keys
 
 # The counters lived here before they had a module; their old names still work.
@@ -82,7 +81,6 @@ class ConnectorConfig:
     # request waits a step or more, other requests' steps do not wait for its copies.
     # None: every load is synchronous.
     load_async_min_blocks: int | str | None = "auto"  # "auto": LOAD_ASYNC_MIN_BYTES of blocks
-    background: str = "idle"  # the saver's and refresher's threads (kvkeep.background)
 
     def __post_init__(self) -> None:
         if not self.socket:
@@ -93,7 +91,6 @@ class ConnectorConfig:
             raise ValueError(f"max_backoff_s must lie in (0, 600], got {self.max_backoff_s}")
         if self.staging_mib is not None and not 1 <= self.staging_mib <= 65536:
             raise ValueError(f"staging_mib must lie in [1, 65536] MiB, got {self.staging_mib}")
-        check_policy(self.background, "kv_connector_extra_config.background")
         blocks = self.load_async_min_blocks
         if blocks != "auto" and blocks is not None and (not isinstance(blocks, int) or blocks < 1):
             raise ValueError(
@@ -118,17 +115,14 @@ class ConnectorConfig:
             raise ValueError(f"kv_connector_extra_config.audit must be true or false: {audit!r}")
         whole = ("load_async_min_blocks",)
         numbers: dict[str, Any] = {
-            k: float(v)
-            for k, v in extra.items()
-            if k not in ("socket", "audit", "background", *whole)
+            k: float(v) for k, v in extra.items() if k not in ("socket", "audit", *whole)
         }
         for key in whole:
             if key in extra:
                 numbers[key] = (
                     extra[key] if extra[key] == "auto" else _whole_or_none(key, extra[key])
                 )
-        background = str(extra.get("background", "idle"))
-        return cls(socket=str(extra["socket"]), audit=audit, background=background, **numbers)
+        return cls(socket=str(extra["socket"]), audit=audit, **numbers)
 
     def async_min_blocks(self, block_bytes: int) -> int | None:
         """The smallest hit, in blocks of ``block_bytes``, that loads asynchronously (None:
