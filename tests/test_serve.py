@@ -187,24 +187,63 @@ def test_a_mamba_hybrid_is_refused_before_anything_starts(tmp_path: Path) -> Non
     assert not state.exists()
 
 
+# Every way vLLM 0.32's own parser (checked against it) reads as generated weights.
+GENERATED = [
+    ("--load-format", "dummy"),
+    ("--load-format=dummy",),
+    ("--load-format", "DUMMY"),  # vLLM lowercases the value
+    ("--load_format", "dummy"),  # and turns underscores in option names into dashes
+    ("--load_format=Dummy",),
+    ("--load-f", "dummy"),  # argparse takes a unique abbreviation
+    ("--load-format", "safetensors", "--load-format", "dummy"),  # the last one counts
+]
+
+
+@pytest.mark.parametrize("args", GENERATED, ids=" ".join)
+def test_every_spelling_of_generated_weights_is_read_as_vllm_reads_it(
+    args: tuple[str, ...],
+) -> None:
+    assert serve.load_format(list(args)) == "dummy"
+    with pytest.raises(ValueError, match="vLLM would generate the model's weights"):
+        serve.check_weights(list(args))
+
+
+def test_a_vllm_config_file_is_read_for_its_load_format(tmp_path: Path) -> None:
+    config = tmp_path / "vllm.yaml"
+    config.write_text("load_format: dummy\nport: 8000\n")
+    assert serve.load_format(["--config", str(config)]) == "dummy"
+    assert serve.load_format(["--config", str(config), "--load-format", "auto"]) == "auto"
+    config.write_text("port: 8000\n")
+    assert serve.load_format([f"--config={config}"]) is None
+    with pytest.raises(ValueError, match="cannot read it"):
+        serve.load_format(["--config", str(tmp_path / "missing.yaml")])
+    for ok in (
+        [],
+        ["--load-format", "safetensors"],
+        ["--load-formatx", "dummy"],
+        ["--model", "dummy"],
+    ):
+        serve.check_weights(ok)
+
+
 def test_generated_weights_are_refused_before_anything_starts(tmp_path: Path) -> None:
     """vLLM's generated weights make every reply the same whatever its context, so a wrong KV
-    block could never show: `kvkeep serve` exits 2 saying so, starts nothing, and accepts the
-    model's own weights (`--load-format safetensors`) in the same command."""
+    block could never show: `kvkeep serve` exits 2 saying so, starts nothing (it is a dry run
+    besides), and accepts the model's own weights (`--load-format safetensors`)."""
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
     state = tmp_path / "state"
 
-    def serve(*vllm_args: str) -> subprocess.CompletedProcess[str]:
+    def serve_(*vllm_args: str) -> subprocess.CompletedProcess[str]:
         argv = [sys.executable, "-m", "kvkeep.cli", "serve", str(model), "--dir", str(state),
                 "--dry-run", "--", *vllm_args]  # fmt: skip
         return subprocess.run(argv, capture_output=True, text=True, timeout=60)
 
-    for args in (("--load-format", "dummy"), ("--load-format=dummy",)):
-        proc = serve(*args)
+    for args in (GENERATED[0], GENERATED[3]):
+        proc = serve_(*args)
         assert proc.returncode == 2, proc.stderr
         assert proc.stdout == "" and "Traceback" not in proc.stderr
         assert "--load-format dummy: vLLM would generate the model's weights" in proc.stderr
         assert not state.exists()
-    assert serve("--load-format", "safetensors").returncode == 0
+    assert serve_("--load-format", "safetensors").returncode == 0

@@ -25,6 +25,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from kvkeep.cpu_pool import (
     MemoryBudget,
     available_bytes,
@@ -317,11 +319,47 @@ def check_model(model: str) -> None:
 GENERATED_WEIGHTS = "dummy"  # vLLM's --load-format that makes up the weights instead of reading
 
 
+def load_format(vllm_args: Sequence[str]) -> str | None:
+    """The load format ``vllm_args`` give vLLM, read as vLLM's own parser reads it (None: not
+    given): flag names with underscores (``--load_format``), unique abbreviations
+    (``--load-f``), ``=`` or a separate value, any letter case (vLLM lowercases it), and a
+    ``--config`` YAML file's ``load_format`` key, which the command line overrides. Raises
+    ValueError if that file cannot be read."""
+    found = _config_load_format(flag_value(_dashed(vllm_args), "--config"))
+    for i, arg in enumerate(_dashed(vllm_args)):
+        name, eq, value = arg.partition("=")
+        if len(name) >= len("--load-f") and "--load-format".startswith(name):
+            nxt = vllm_args[i + 1] if i + 1 < len(vllm_args) else ""
+            found = value if eq else nxt
+    return found.lower() if found is not None else None
+
+
+def _dashed(args: Sequence[str]) -> list[str]:
+    """``args`` with underscores in option names turned into dashes, as vLLM's parser does."""
+    out = []
+    for arg in args:
+        name, eq, value = arg.partition("=")
+        out.append(name.replace("_", "-") + eq + value if arg.startswith("--") else arg)
+    return out
+
+
+def _config_load_format(path: str | None) -> str | None:
+    if not path:
+        return None
+    try:
+        loaded = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"--config {path}: cannot read it ({exc})") from exc
+    keys = {str(k).replace("_", "-"): v for k, v in (loaded or {}).items()}
+    value = keys.get("load-format")
+    return None if value is None else str(value)
+
+
 def check_weights(vllm_args: Sequence[str]) -> None:
     """Refuse vLLM's generated weights before anything starts: with them every reply is the
     same whatever its context, so a wrong KV block would look right and nothing could tell.
     Raises ValueError saying what to do. (The connector refuses them too, at engine start.)"""
-    if flag_value(vllm_args, "--load-format") == GENERATED_WEIGHTS:
+    if load_format(vllm_args) == GENERATED_WEIGHTS:
         raise ValueError(
             f"--load-format {GENERATED_WEIGHTS}: vLLM would generate the model's weights, and "
             "with them no reply depends on its context, so no wrong KV block could ever show; "

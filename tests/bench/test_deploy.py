@@ -44,7 +44,7 @@ def test_every_mode_loads_the_models_own_weights(tiny_model: Path) -> None:
         cfg.validate()
         argv, _ = build_command(cfg, 8000)
         assert not any(a.startswith("--load-format") for a in argv), argv
-    for extra in (("--load-format", "dummy"), ("--load-format=dummy",)):
+    for extra in (("--load-format", "dummy"), ("--load_format", "DUMMY"), ("--load-f", "dummy")):
         with pytest.raises(ValueError, match="--load-format dummy"):
             LaunchConfig(model=tiny_model, extra_args=extra).validate()
     LaunchConfig(model=tiny_model, extra_args=("--load-format", "safetensors")).validate()

@@ -266,7 +266,7 @@ def check_supported(vllm_config: Any, kv_cache_config: Any | None) -> None:
     would be served with missing or wrong KV. Raises UnsupportedConfig naming the problem.
     """
     _check_parallel(vllm_config.parallel_config)
-    if load_format_of(vllm_config) == "dummy":
+    if load_format_of(vllm_config).lower() == "dummy":
         raise UnsupportedConfig(
             "vLLM generates this model's weights (--load-format dummy): its replies do not "
             "depend on their context, so no check can tell right KV from wrong; load the "
