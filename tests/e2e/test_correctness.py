@@ -20,6 +20,7 @@ import random
 import re
 import shutil
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from .engine import (
     MODEL_NAME,
     VOCAB,
     Deployment,
+    Served,
     StoredNamespace,
     arena_problems,
     assert_wrong_block_shows,
@@ -234,6 +236,70 @@ def test_a_failed_load_stores_no_wrong_kv(rig: Rig) -> None:
     else:
         assert mid["dropped"] > before["dropped"], "the failed step's saves were not dropped"
     assert rig.stored(p) == full_blocks(p), "P's blocks were not saved by the recompute"
+
+
+def test_no_request_reads_a_failed_loads_blocks_before_they_are_recomputed(rig: Rig) -> None:
+    """Three agents share a prefix P that kvkeep holds corrupt. A loads P synchronously; B is
+    admitted in the same step and would hit P in vLLM's prefix cache, where vLLM puts a
+    synchronous load's blocks before they are loaded; C arrives while A recomputes P, 128
+    tokens a step. Neither may read P's blocks before A has recomputed them (vLLM itself
+    lets both, vllm-project/vllm#49250): every reply is right, and so is what is stored."""
+    sync_only(rig)
+    p = rig.prompt(1200)
+    z, a, b, c = rig.prompt(300), p + rig.prompt(150), p + rig.prompt(150), p + rig.prompt(150)
+    refs = [reference(rig.url, ids) for ids in (a, b, c)]
+    for ids in (z, p):  # the RAM tier (32 blocks) evicts the references' blocks first
+        complete(rig.url, ids)
+        rig.wait_stored(ids, full_blocks(ids))
+    client = rig.client()
+    try:
+        assert corrupt_stored(client, rig.namespace(), p) == full_blocks(p)
+    finally:
+        client.close()
+    before = rig.counters()
+    reset_device_cache(rig.url)
+    replies: dict[str, Served] = {}
+
+    def send(name: str, ids: list[int]) -> threading.Thread:
+        thread = threading.Thread(target=lambda: replies.update({name: complete(rig.url, ids)}))
+        thread.start()
+        time.sleep(0.15)  # in this order into vLLM's queue
+        return thread
+
+    sent: list[threading.Thread] = []
+
+    def while_z_loads() -> None:  # A and B queue up behind Z's step: one step admits both
+        sent.extend([send("a", a), send("b", b)])
+        rig.proxy.arm("ACQUIRE", while_a_loads)
+        time.sleep(0.4)  # under the connector's RPC timeout: Z's load succeeds
+
+    def while_a_loads() -> None:  # C is admitted while A recomputes
+        sent.append(send("c", c))
+        time.sleep(0.4)
+
+    rig.proxy.arm("ACQUIRE", while_z_loads)
+    try:
+        complete(rig.url, z, max_tokens=32)
+        for thread in sent:
+            thread.join(timeout=120)
+    finally:
+        rig.proxy.disarm()
+    after = rig.counters()
+    assert rig.proxy.fired[-2:] == ["ACQUIRE", "ACQUIRE"], rig.proxy.fired
+    assert after["load_failed"] > before["load_failed"], "A's load of the corrupt P did not fail"
+    assert after.get("admission_deferred", 0) > before.get("admission_deferred", 0), (
+        "B was not admitted beside A's load: the test did not set up what it guards"
+    )
+    for name, ref in zip("abc", refs, strict=True):
+        verdict = same_as_cold(replies[name].reply, ref.cold)
+        assert verdict, f"{name.upper()}: {verdict.why}"
+    for name, ids, ref in zip("abc", (a, b, c), refs, strict=True):
+        rig.wait_stored(ids, full_blocks(ids))
+        reset_device_cache(rig.url)
+        served = complete(rig.url, ids)
+        assert served.cached_tokens == full_blocks(ids) * BLOCK
+        verdict = same_as_cold(served.reply, ref.cold)
+        assert verdict, f"{name.upper()} served from kvkeep afterwards: {verdict.why}"
 
 
 def _flood(rig: Rig, blocks: int) -> None:

@@ -185,8 +185,8 @@ class KVKeepConnector(KVConnectorBase_V1, SupportsHMA):
         if connector_output.finished_recving:
             failed = set(connector_output.failed_recving or ())
             self._scheduler.loads_finished(set(connector_output.finished_recving), invalid, failed)
-        if invalid:
-            self._scheduler.load_errors(invalid)
+        if invalid:  # vLLM 0.32 binds its KV cache manager to the scheduler-side connector
+            self._scheduler.load_errors(invalid, getattr(self, "_kv_cache_manager", None))
 
     def request_finished(
         self, request: Request, block_ids: list[int]

@@ -47,6 +47,8 @@ COUNTER_NAMES = (
     "saves_skipped_busy",
     "async_loads",
     "async_loads_failed",
+    "admissions_deferred",
+    "blocks_evicted",
     "audit_blocks",
     "audit_mismatches",
     "unkeyable_lora",

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvkeep.server.client import CacheUnavailable, KVKeepClient
 from kvkeep.vllm import compat
+from kvkeep.vllm.guard import SyncLoadGuard, tails_from
 from kvkeep.vllm.refresh import Refresher
 from kvkeep.vllm.scheduling import (
     BlockTransfer,
@@ -78,6 +79,7 @@ class SchedulerSide:
         self._requests: dict[str, Any] = {}  # req_id -> vLLM Request, while tracked
         self._unkeyable: set[str] = set()  # req_ids counted as unkeyable, until finished
         self.refresher = Refresher(client.sibling())  # keeps vLLM's device hits warm
+        self.guard = SyncLoadGuard()  # no vLLM hit on a synchronous load's unknown outcome
         self._announce(client.socket_path)
 
     def _announce(self, socket_path: str | None) -> None:
@@ -98,13 +100,18 @@ class SchedulerSide:
         more = f", {len(self.books)} KV cache groups" if self.hybrid else ""
         return f"{ns.digest().hex()[:12]} ({ns.backend}, {ns.layout}, block {ns.block_size}{more})"
 
-    def match(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def match(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens kvkeep can supply beyond ``num_computed_tokens``, and whether they load in
         the background (vLLM's ``load_async``); (0, False) on any failure. Idempotent for
-        repeated calls with the same inputs (the answer is memoised)."""
+        repeated calls with the same inputs (the answer is memoised). None ("ask again next
+        step") while vLLM's own hit covers blocks of a synchronous load whose outcome is not
+        known yet (:mod:`kvkeep.vllm.guard`)."""
         try:
             if compat.unkeyable_reason(request) is not None:
                 return 0, False  # no LOOKUP; after_alloc counts the reason once
+            if self._on_unconfirmed_blocks(request, num_computed_tokens):
+                self.counters.add("admissions_deferred", 1)
+                return None, False
             with self.counters.timed("match_s"):
                 tokens = self._match(request, num_computed_tokens)
         except Exception:
@@ -112,6 +119,13 @@ class SchedulerSide:
             self.counters.add("lookup_failures", 1)
             return 0, False
         return tokens, self.book.in_background(tokens // self.book.block_size)
+
+    def _on_unconfirmed_blocks(self, request: Any, num_computed: int) -> bool:
+        if not self.guard.active or num_computed < self.book.block_size:
+            return False
+        tokens, salt = compat.request_tokens(request), compat.request_salt(request)
+        keys = self.book.keys_for(request.request_id, tokens, salt)
+        return self.guard.covers(keys[: num_computed // self.book.block_size])
 
     def _match(self, request: Any, num_computed: int) -> int:
         req_id, num_tokens = request.request_id, request.num_tokens
@@ -202,6 +216,9 @@ class SchedulerSide:
             self.counters.add("offered_tokens", num_external_tokens)
             if started[0].background:
                 self.counters.add("async_loads", 1)
+            else:  # the loaded blocks and those this step computes on top of them
+                written = self.book.leading_keys(request.request_id, request.num_tokens)
+                self.guard.hold(written[local:])
         # The prefix vLLM serves from its own pool is in use: refresh it in kvkeep's RAM so
         # it outlives colder blocks there and is the first back after a vLLM restart.
         hot = self._hot_group
@@ -217,6 +234,8 @@ class SchedulerSide:
         except Exception:
             log.exception("kvkeep: could not plan this step; skipping its loads and saves")
             return None
+        finally:
+            self.guard.planned()
 
     def _plan(self, out: Any) -> tuple[StepPlan, ...]:
         return tuple(self._group_plan(out, g) for g in range(len(self.books)))
@@ -275,15 +294,31 @@ class SchedulerSide:
             log.info("kvkeep: asynchronous loads of %d requests failed; vLLM recomputes them",
                      len(failed))  # fmt: skip
 
-    def load_errors(self, block_ids: set[int]) -> None:
-        """A step reported failed loads: its saves were dropped; plan them again."""
+    def load_errors(self, block_ids: set[int], kv_cache_manager: Any = None) -> None:
+        """A step reported failed loads: its saves were dropped; plan them again. The failed
+        blocks, and what their requests hold after them, leave vLLM's prefix cache
+        (``kv_cache_manager``, vLLM's, when it bound one to the connector)."""
         try:
             rewound = sum(book.on_load_errors() for book in self.books)
         except Exception:
             log.exception("kvkeep: could not rewind the save frontiers")
             return
-        log.info("kvkeep: %d blocks failed to load; %d requests will save again after "
-                 "vLLM recomputes", len(block_ids), rewound)  # fmt: skip
+        evicted = self._evict(block_ids, kv_cache_manager)
+        log.info("kvkeep: %d blocks failed to load (%d blocks out of vLLM's prefix cache); "
+                 "%d requests will save again after vLLM recomputes",
+                 len(block_ids), evicted, rewound)  # fmt: skip
+
+    def _evict(self, block_ids: set[int], kv_cache_manager: Any) -> int:
+        if kv_cache_manager is None or self.hybrid:  # hybrids fail whole async loads only
+            return 0
+        try:
+            tails = tails_from(self.book.block_tables(), block_ids)
+            kv_cache_manager.evict_blocks(tails)
+        except Exception:
+            log.exception("kvkeep: could not evict failed blocks from vLLM's prefix cache")
+            return 0
+        self.counters.add("blocks_evicted", len(tails))
+        return len(tails)
 
     def finished(self, req_id: str) -> None:
         for book in self.books:

@@ -338,6 +338,10 @@ class RequestBook:
         tracked = self._tracked.get(req_id)
         return tracked.keys[:count] if tracked is not None else []
 
+    def block_tables(self) -> list[list[int]]:
+        """Every tracked request's block table. No side effects."""
+        return [tracked.block_ids for tracked in self._tracked.values()]
+
     def claims_for(self, req_id: str) -> bool:
         """Whether kvkeep may claim blocks for this request. Not after its asynchronous load
         failed: vLLM then admits it again from its valid prefix (from scratch when that is

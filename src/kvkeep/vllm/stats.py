@@ -68,6 +68,8 @@ class KVKeepPromMetrics(KVConnectorPromMetrics):
         "saves_skipped_busy": "save_skipped_staging_full",  # blocks
         "async_loads": "async_load",  # requests
         "async_loads_failed": "async_load_failed",  # requests with a failed block
+        "admissions_deferred": "admission_deferred",  # a vLLM hit on an unconfirmed load
+        "blocks_evicted": "evicted_after_failed_load",  # vLLM prefix-cache blocks
         "audit_blocks": "audit_block",
         "audit_mismatches": "audit_mismatch",
         "unkeyable_lora": "unkeyable_lora",
