@@ -159,7 +159,9 @@ class CacheServerProcess:
 
 
 def stop_process_group(proc: subprocess.Popen[bytes] | None, timeout_s: float) -> None:
-    """SIGTERM ``proc``'s group (a session leader), then SIGKILL after ``timeout_s``."""
+    """SIGTERM ``proc``'s group (a session leader), then SIGKILL after ``timeout_s``; returns
+    once no process of the group is left (a killed process that held gigabytes of KV pool
+    takes a moment to exit, and until then its memory is not free)."""
     if proc is None or proc.poll() is not None:
         return
     _signal_group(proc.pid, signal.SIGTERM)
@@ -169,6 +171,17 @@ def stop_process_group(proc: subprocess.Popen[bytes] | None, timeout_s: float) -
         _signal_group(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
     _signal_group(proc.pid, signal.SIGKILL)  # stragglers of the group
+    deadline = time.monotonic() + 10.0
+    while _group_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

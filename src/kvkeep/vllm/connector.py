@@ -33,7 +33,10 @@ recomputes. The scheduler side learns of the failure from the step's connector o
 moves the save frontiers back (``RequestBook.on_load_errors`` and ``rewind``), so the
 recompute is saved. An asynchronous load feeds no forward until it is reported, so its
 failure drops no saves: vLLM truncates the request at the first failed block, and when the
-request comes back its save frontier starts there (``RequestBook.on_alloc``).
+request comes back its save frontier starts there (``RequestBook.on_alloc``). No other
+request reads a failed synchronous load's blocks before they are recomputed: admissions on
+them wait for the load's outcome, and failed blocks leave vLLM's prefix cache
+(:mod:`kvkeep.vllm.guard`).
 
 When vLLM computes a block it already holds again (the last block of a block-aligned prompt,
 or a partial block that decode completes), kvkeep keeps the first copy it was given: RESERVE
