@@ -90,6 +90,12 @@ def step_blocks(vllm_config: Any, block_size: int) -> int:
     return -(-tokens // block_size) + seqs
 
 
+def plans_in_flight(vllm_config: Any) -> int:
+    """Steps vLLM schedules before it has the output of an earlier one: 0 when it schedules
+    step by step (always on CPU), 1 under asynchronous scheduling, more with pipelines."""
+    return max(0, int(getattr(vllm_config, "max_concurrent_batches", 2)) - 1)
+
+
 def tp_rank_size(vllm_config: Any) -> tuple[int, int]:
     """This process's tensor-parallel rank (0 outside a worker) and the TP size."""
     size = int(vllm_config.parallel_config.tensor_parallel_size)

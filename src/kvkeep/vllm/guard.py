@@ -18,7 +18,9 @@ vLLM restart and a cache-server kill). kvkeep closes both gaps with two rules:
 1. Until the outcome of a synchronous load is known, no request is admitted on a vLLM hit
    that covers the blocks the load writes, or the blocks its request computes on top of
    them in the same step. The connector answers "not yet" (None), and vLLM asks again in
-   the next step, at most two steps later.
+   the next step. Scheduling step by step (always on CPU), vLLM knows the outcome by then;
+   under asynchronous scheduling, one step later. A request waits no longer than that: a
+   wait costs it its free device blocks that other admissions evict meanwhile.
 2. When a step reports failed blocks, every request that holds one has its blocks, from the
    first failed one on, evicted from vLLM's prefix cache (through the KV cache manager that
    vLLM binds to the connector). The owner still recomputes them in place, but nobody
@@ -34,10 +36,10 @@ from collections.abc import Iterable, Sequence
 
 from kvkeep.keys import BlockKey
 
-PLANS_IN_FLIGHT = 2
-"""Plans whose outcome may still be unknown when vLLM admits requests: the last one, and,
-under asynchronous scheduling, the one before it (vLLM schedules a step before it processes
-the output of the step before)."""
+PLANS_IN_FLIGHT = 1
+"""Plans handed to vLLM whose outcome may still be unknown when it admits requests, under
+asynchronous scheduling (vLLM schedules a step before it processes the output of the step
+before). 0 when vLLM schedules step by step (``compat.plans_in_flight``)."""
 
 
 class SyncLoadGuard:
@@ -47,7 +49,7 @@ class SyncLoadGuard:
 
     def __init__(self, plans_in_flight: int = PLANS_IN_FLIGHT) -> None:
         self._building: set[BlockKey] = set()
-        self._recent: deque[frozenset[BlockKey]] = deque(maxlen=plans_in_flight)
+        self._recent: deque[frozenset[BlockKey]] = deque(maxlen=max(plans_in_flight, 0))
 
     def hold(self, keys: Iterable[BlockKey]) -> None:
         """A synchronous load planned for the plan being built writes ``keys``."""

@@ -79,7 +79,7 @@ class SchedulerSide:
         self._requests: dict[str, Any] = {}  # req_id -> vLLM Request, while tracked
         self._unkeyable: set[str] = set()  # req_ids counted as unkeyable, until finished
         self.refresher = Refresher(client.sibling())  # keeps vLLM's device hits warm
-        self.guard = SyncLoadGuard()  # no vLLM hit on a synchronous load's unknown outcome
+        self.guard = SyncLoadGuard(compat.plans_in_flight(vllm_config))  # see kvkeep.vllm.guard
         self._announce(client.socket_path)
 
     def _announce(self, socket_path: str | None) -> None:
