@@ -108,6 +108,14 @@ class Rig(Deployment):
         finally:
             client.close()
 
+    def corrupt_stored(self, ids: list[int]) -> int:
+        """Flip a byte of every stored block of ``ids`` in the arena; how many blocks."""
+        client = self.client()
+        try:
+            return corrupt_stored(client, self.namespace(), ids)
+        finally:
+            client.close()
+
     def wait_stored(self, ids: list[int], blocks: int) -> None:
         deadline = time.monotonic() + 15
         while self.stored(ids) < blocks and time.monotonic() < deadline:
@@ -209,11 +217,7 @@ def test_a_failed_load_stores_no_wrong_kv(rig: Rig) -> None:
     ref = reference(rig.url, p + q)
     complete(rig.url, p)
     rig.wait_stored(p, full_blocks(p))
-    client = rig.client()
-    try:
-        assert corrupt_stored(client, rig.namespace(), p) == full_blocks(p)
-    finally:
-        client.close()
+    assert rig.corrupt_stored(p) == full_blocks(p)
     before = rig.counters()
     reset_device_cache(rig.url)
     first = complete(rig.url, p + q)
@@ -251,11 +255,7 @@ def test_no_request_reads_a_failed_loads_blocks_before_they_are_recomputed(rig: 
     for ids in (z, p):  # the RAM tier (32 blocks) evicts the references' blocks first
         complete(rig.url, ids)
         rig.wait_stored(ids, full_blocks(ids))
-    client = rig.client()
-    try:
-        assert corrupt_stored(client, rig.namespace(), p) == full_blocks(p)
-    finally:
-        client.close()
+    assert rig.corrupt_stored(p) == full_blocks(p)
     before = rig.counters()
     reset_device_cache(rig.url)
     replies: dict[str, Served] = {}
