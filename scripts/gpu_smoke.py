@@ -1,7 +1,11 @@
 """The CUDA end-to-end smoke of ``scripts/gpu-check.sh``: a real cache server and a CUDA vLLM
 with the kvkeep connector serve one prompt cold, then again after vLLM's own prefix cache is
 reset, so the second reply is computed on KV loaded from kvkeep. Passes when kvkeep loaded
-tokens and the greedy replies are equal (the tiny model's replies depend on their context).
+tokens and the greedy replies are equal, and only on a model whose replies depend on their
+context: a model directory without weight files is refused before anything starts, and the
+same question after two other prefixes must get two other replies (vLLM's generated weights,
+``--load-format dummy``, would give every prompt the same reply, so equal replies would prove
+nothing about the KV).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from kvkeep.cpu_pool import WEIGHT_SUFFIXES
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -29,7 +35,7 @@ def _free_port() -> int:
 
 def _http(url: str, body: dict[str, Any] | None = None, timeout: float = 120) -> str:
     data = json.dumps(body).encode() if body is not None else None
-    method = "POST" if data is not None or url.endswith("reset_prefix_cache") else "GET"
+    method = "POST" if data is not None or "/reset_prefix_cache" in url else "GET"
     req = urllib.request.Request(url, data=data, method=method,
                                  headers={"Content-Type": "application/json"})  # fmt: skip
     with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -56,8 +62,23 @@ def _loaded(base: str) -> float:
     return total
 
 
+def model_problem(model: str) -> str | None:
+    """Why ``model`` cannot be the smoke's model (None: it can): it must be a local directory
+    with a config.json and weight files of its own."""
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        return f"{model} is not a model directory with a config.json"
+    if not any(p.name.endswith(WEIGHT_SUFFIXES) for p in path.iterdir()):
+        return (f"{model} has no weight files: its replies would not depend on their context; "
+                f"`kvkeep model tiny {model}` writes seeded weights")  # fmt: skip
+    return None
+
+
 def smoke(model: str, timeout_s: float = 300) -> dict[str, Any]:
     """Run the smoke; {"ok": bool, ...figures or "error"}. Stops what it started."""
+    problem = model_problem(model)
+    if problem is not None:
+        return {"ok": False, "error": problem}
     work = Path(tempfile.mkdtemp(prefix="kvkeep-gpu-smoke-"))
     procs: list[subprocess.Popen[bytes]] = []
     try:
@@ -84,7 +105,7 @@ def _start(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subp
 def _run(
     model: str, work: Path, procs: list[subprocess.Popen[bytes]], deadline: float
 ) -> dict[str, Any]:
-    sock = str(work / "kvkeep.sock")
+    sock = str(work / "cache" / "kvkeep.sock")  # the server's socket in its --dir
     server = [
         sys.executable,
         "-m",
@@ -97,7 +118,9 @@ def _run(
     ]
     (work / "cache").mkdir()
     procs.append(_start(server, work / "cache.log"))
-    while not os.path.exists(sock) and time.monotonic() < deadline:
+    while not os.path.exists(sock):
+        if procs[-1].poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the cache server did not start; see {work / 'cache.log'}")
         time.sleep(0.2)
     port = _free_port()
     transfer = {"kv_connector": "KVKeepConnector",
@@ -114,13 +137,21 @@ def _run(
     t0 = time.monotonic()
     _wait(f"{base}/health", procs[-1], deadline)
     ready_s = time.monotonic() - t0
-    prompt = [random.Random(13).randrange(16, 8000) for _ in range(2000)]
-    body = {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0}
-    cold = json.loads(_http(f"{base}/v1/completions", body))["choices"][0]["text"]
+    rng = random.Random(13)
+    prefixes = [[rng.randrange(16, 8000) for _ in range(2000)] for _ in range(2)]
+    question = [rng.randrange(16, 8000) for _ in range(32)]
+    cold, other = (_reply(base, model, prefix + question) for prefix in prefixes)
+    reads_context = cold != other  # else equal replies below would prove nothing
     time.sleep(2)  # saves commit in the background
-    _http(f"{base}/reset_prefix_cache")
+    _http(f"{base}/reset_prefix_cache?reset_external=false")
     before = _loaded(base)
-    warm = json.loads(_http(f"{base}/v1/completions", body))["choices"][0]["text"]
+    warm = _reply(base, model, prefixes[0] + question)
     loaded = _loaded(base) - before
-    return {"ok": loaded > 0 and warm == cold, "loaded_tokens": loaded,
-            "replies_equal": warm == cold, "vllm_ready_s": ready_s}  # fmt: skip
+    return {"ok": loaded > 0 and warm == cold and reads_context, "loaded_tokens": loaded,
+            "replies_equal": warm == cold, "reads_context": reads_context,
+            "vllm_ready_s": ready_s}  # fmt: skip
+
+
+def _reply(base: str, model: str, prompt: list[int]) -> str:
+    body = {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0}
+    return str(json.loads(_http(f"{base}/v1/completions", body))["choices"][0]["text"])
