@@ -6,6 +6,8 @@ from __future__ import annotations
 import gc
 import mmap
 import os
+import time
+import weakref
 
 from kvkeep.server import arenamap
 from kvkeep.server.client import KVKeepClient
@@ -42,3 +44,29 @@ def test_a_mapping_is_populated_ahead() -> None:
     anonymous[:4] = b"abcd"  # still an ordinary, writable mapping
     assert anonymous[:4] == b"abcd"
     anonymous.close()  # the export taken to populate it is gone
+
+
+def test_a_restarted_server_s_old_mapping_is_unmapped_off_the_call(server_factory: object) -> None:
+    """The first call after a server restart maps the new arena and hands the old mapping to
+    the background: unmapping a populated arena took 145 ms per 768 MiB on that call. The old
+    mapping is still there when the call returns, gone soon after, and the call answers."""
+    server = server_factory("--ram", "16MiB")  # type: ignore[operator]
+    server.start()
+    client = KVKeepClient(server.socket)
+    session = client.hello(NS, BLOCK)
+    old = client.arena_mapping()
+    assert old is not None
+    old_map = weakref.ref(old[1])
+    del old
+    server.terminate()
+    server.start()
+    assert client.lookup(session, keys(2)).num_present == 0  # reconnected, on the new arena
+    new = client.arena_mapping()
+    assert new is not None and new[1] is not old_map()
+    assert old_map() is not None, "the old mapping was dropped on the caller's thread"
+    deadline = time.monotonic() + arenamap.RETIRE_DELAY_S + 10
+    while old_map() is not None and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.05)
+    assert old_map() is None, "the retired mapping was never dropped"
+    client.close()

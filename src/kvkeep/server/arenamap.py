@@ -10,20 +10,24 @@ idle priority of kvkeep's background work (``kvkeep.background``): it costs an e
 nothing it was using, and the connector maps the arena when the worker starts, so by the
 first request the pages are usually mapped. Elsewhere, or when the kernel refuses, pages
 fault in on first use as before.
+
+Unmapping costs as much: it tears down a page-table entry per page, 145 ms for a populated
+768 MiB arena on 2 cores (seconds for tens of GiB). A client that finds a new server instance
+therefore hands its old mapping to ``retire``, and a background thread drops it, off the
+LOOKUP or load that found the restart.
 """
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
+import queue
 import threading
+import time
 import weakref
 
 from kvkeep.background import give_way
-
-MADV_POPULATE_WRITE = 23
-CHUNK_BYTES = 2 << 20  # per madvise call: the mapping's lock is held for one chunk at a time
+from kvkeep.store.shm import populate, unpopulate
 
 
 class ArenaMap:
@@ -63,25 +67,32 @@ def _populate_idle(arena_map: mmap.mmap) -> None:
     populate(arena_map)
 
 
-def populate(arena_map: mmap.mmap) -> bool:
-    """Map every page of ``arena_map`` into this process's page tables; False where the
-    kernel cannot (the pages then fault in on first use)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        buffer = (ctypes.c_char * len(arena_map)).from_buffer(arena_map)
-    except (OSError, TypeError, ValueError):
-        return False
-    try:
-        base = ctypes.addressof(buffer)
-        for offset in range(0, len(arena_map), CHUNK_BYTES):
-            length = min(CHUNK_BYTES, len(arena_map) - offset)
-            if (
-                libc.madvise(
-                    ctypes.c_void_p(base + offset), ctypes.c_size_t(length), MADV_POPULATE_WRITE
-                )
-                != 0
-            ):
-                return False
-        return True
-    finally:
-        del buffer
+RETIRE_DELAY_S = 1.0  # longer than any caller keeps a reference after handing one over
+_retired: queue.SimpleQueue[tuple[float, ArenaMap, object]] = queue.SimpleQueue()
+_retirer: threading.Thread | None = None
+
+
+def retire(arena: ArenaMap, holder: object = None) -> None:
+    """Unmap ``arena`` (and drop ``holder``, an object holding it) on a background thread,
+    ``RETIRE_DELAY_S`` from now; never blocks. The caller keeps no other reference to either.
+
+    The thread first drops the mapping's page-table entries a chunk at a time, so that it
+    never holds the process's memory-map lock for long, then its reference. The thread runs
+    at the engine's priority: at idle priority a busy engine could preempt it while it holds
+    that lock and then wait on it (every mmap of a new tensor takes it). A client still
+    reading the old mapping only faults its pages in again: the bytes stay in the file.
+    """
+    global _retirer
+    _retired.put((time.monotonic() + RETIRE_DELAY_S, arena, holder))
+    with _LOCK:
+        if _retirer is None or not _retirer.is_alive():
+            _retirer = threading.Thread(target=_unmap_retired, name="kvkeep-unmap", daemon=True)
+            _retirer.start()
+
+
+def _unmap_retired() -> None:
+    while True:
+        due, arena, holder = _retired.get()
+        time.sleep(max(0.0, due - time.monotonic()))
+        unpopulate(arena.map)
+        del arena, holder

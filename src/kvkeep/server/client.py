@@ -29,7 +29,7 @@ import numpy as np
 
 from kvkeep.keys import BlockKey, Namespace
 from kvkeep.server import protocol as p
-from kvkeep.server.arenamap import ArenaMap, shared_map
+from kvkeep.server.arenamap import ArenaMap, retire, shared_map
 from kvkeep.store.base import checksum
 from kvkeep.store.slots import Offset
 
@@ -259,7 +259,10 @@ class KVKeepClient:
             shared = shared_map(reply.arena_path, reply.instance, reply.arena_bytes)
         except OSError as exc:
             raise CacheUnavailable(f"cannot map the arena: {exc}") from exc
-        # The old map is left to the garbage collector: views of it may still be alive.
+        # The old mapping is dropped in the background (unmapping a populated arena takes a
+        # tenth of a second per GiB); views of it may still be alive, and keep it until then.
+        if self._arena is not None:
+            retire(self._arena.shared, self._arena)
         self._arena = _Arena(reply.instance, shared.map, reply.tiers, shared)
 
     @contextlib.contextmanager

@@ -101,6 +101,7 @@ class CacheServer:
             self.store.namespace_blocks,
         )
         self._stop = asyncio.Event()
+        self._arena_ready = False  # the prefault thread has allocated and mapped the arena
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -128,6 +129,7 @@ class CacheServer:
     def _prefault(self) -> None:
         try:
             self.store.prefault()
+            self._arena_ready = True
         except OSError as exc:
             log.warning("could not allocate the arena up front (%s): is /dev/shm big enough?", exc)
 
@@ -341,9 +343,15 @@ class CacheServer:
         return p.EmptyReply()
 
     def stats(self, integrity: bool = False) -> dict[str, Any]:
-        """The store's stats, this process's instance and open connections; with
+        """The store's stats, this process's instance, open connections and ``arena_ready``
+        (the arena is allocated and mapped: promotions run at full speed); with
         ``integrity``, also every problem ``check_integrity`` finds (O(slots))."""
-        stats = {**self.store.stats(), "instance": self.instance, "connections": self.connections}
+        stats = {
+            **self.store.stats(),
+            "instance": self.instance,
+            "connections": self.connections,
+            "arena_ready": self._arena_ready,
+        }
         if integrity:
             stats["integrity"] = self.store.check_integrity()
         return stats
