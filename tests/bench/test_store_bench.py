@@ -25,5 +25,8 @@ def test_store_bench_writes_all_figures(tmp_path: Path, capsys: pytest.CaptureFi
     for name in ("wall_s", "server_read_s", "client_acquire_s", "client_copy_s"):
         assert phases[name] > 0, name
     assert phases["server_read_s"] < phases["client_acquire_s"] < phases["wall_s"]
+    samples = results["disk_samples"]  # the disk figures are medians of rounds taken in turn
+    assert len(samples["get_gbps"]) == len(samples["direct_read_gbps"]) == 3
+    assert results["disk_get_gbps"] == sorted(samples["get_gbps"])[1]
     printed = capsys.readouterr().out
     assert "lookup_p99_ms" in printed and "server_read_s" in printed
