@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvkeep.background import give_way
 from kvkeep.server import protocol as p
 from kvkeep.server.namespaces import NamespaceRegistry
 from kvkeep.store.base import NullTier, StoreKey, Tier
@@ -127,6 +128,10 @@ class CacheServer:
         self.shutdown()
 
     def _prefault(self) -> None:
+        # At idle priority, as write-through: on a CPU engine's cores, allocating and mapping
+        # a GiB takes a few tenths of a second the forward would lose. Until it is done, a
+        # promotion into a page not yet mapped faults it in (slower, never wrong).
+        give_way()
         try:
             self.store.prefault()
             self._arena_ready = True
