@@ -7,6 +7,7 @@ import os
 import signal
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -104,6 +105,38 @@ def test_small_steps_are_stored_together(server: Server, monkeypatch: pytest.Mon
     assert stored(server, session, ks) == [block_bytes(layout, b) for b in ids]
     assert calls == [6]
     assert counters.values["saved_tokens"] == 6 * N
+    saver.shutdown()
+
+
+def wakeups(thread_id: int) -> int:
+    """How often the thread has gone to sleep and been woken (Linux)."""
+    status = Path(f"/proc/self/task/{thread_id}/status").read_text()
+    return int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="Linux /proc")
+def test_a_lingering_saver_is_not_woken_by_each_step(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the saver lingers, a staged job does not wake it: on a CPU engine each wake-up
+    took a core from the forward once a step. The jobs are all stored at the flush."""
+    monkeypatch.setattr(saver_module, "LINGER_S", 30.0)
+    layout = engine()
+    saver, _ = make_saver(server, layout, shape=(32, 1))
+    session = KVKeepClient.session(NS, layout.block_bytes)
+    ks = keys(12, 80)
+    ids = list(range(12))
+    assert saver.stage(session, [BlockTransfer(ids[0], ks[0])]) == 1
+    time.sleep(0.2)  # the first job wakes it; it lingers now
+    thread_id = saver._thread.native_id
+    assert thread_id is not None
+    before = wakeups(thread_id)
+    for block_id, key in zip(ids[1:], ks[1:], strict=True):
+        assert saver.stage(session, [BlockTransfer(block_id, key)]) == 1
+        time.sleep(0.01)  # a step's forward
+    assert wakeups(thread_id) - before <= 1, "the saver was woken by staged jobs"
+    assert saver.drain(10)
+    assert stored(server, session, ks) == [block_bytes(layout, b) for b in ids]
     saver.shutdown()
 
 

@@ -114,6 +114,7 @@ class Saver:
             self._free.put(self.mover.host_buffer(self.rows_per_buffer, layout.block_bytes))
         self._jobs: queue.Queue[_Job | threading.Event | object | None] = queue.Queue()
         self._lingering = False  # a job was queued since the last flush
+        self._wake = threading.Event()  # ends a linger early (``_gather``)
         self._thread = threading.Thread(target=self._loop, name="kvkeep-save", daemon=True)
         self._thread.start()
 
@@ -150,13 +151,15 @@ class Saver:
             raise
         self._jobs.put(_Job(session, tuple(k for k, _ in chunk), buffer, wait))
         self._lingering = True
+        if self._free.qsize() <= self._buffers // 4:
+            self._wake.set()  # staging runs low: store now rather than at the linger's end
         return True
 
     def flush(self) -> None:
         """A step saved nothing: store what waits for more jobs now. Cheap when nothing does."""
         if self._lingering:
             self._lingering = False
-            self._jobs.put(_FLUSH)
+            self._post(_FLUSH)
 
     # in the background ---------------------------------------------------------------------
 
@@ -185,14 +188,23 @@ class Saver:
     def _gather(self, first: _Job) -> tuple[list[_Job], threading.Event | bool | None]:
         """``first`` and the jobs that arrive within LINGER_S after it, while a quarter of
         the buffers stay free and the batch holds at most MAX_BATCH_BLOCKS blocks; plus the
-        control item that ended it (a drain's Event, None for shutdown; True: no control)."""
+        control item that ended it (a drain's Event, None for shutdown; True: no control).
+
+        While it lingers the thread sleeps on ``_wake``, which a staged job does not set: a
+        wake per step's job preempted the forward's threads once a step on a CPU engine. A
+        flush, a drain, a shutdown and staging past its high-water mark set it."""
         batch, blocks = [first], len(first.keys)
         deadline = time.monotonic() + LINGER_S
         while blocks < MAX_BATCH_BLOCKS and self._free.qsize() > self._buffers // 4:
             try:
-                item = self._jobs.get(timeout=max(0.0, deadline - time.monotonic()))
+                item = self._jobs.get_nowait()
             except queue.Empty:
-                break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._wake.wait(remaining)
+                self._wake.clear()  # whatever set it is in the queue: the next get sees it
+                continue
             if item is None or isinstance(item, threading.Event):
                 return batch, item
             if not isinstance(item, _Job):  # flush
@@ -200,6 +212,11 @@ class Saver:
             batch.append(item)
             blocks += len(item.keys)
         return batch, True
+
+    def _post(self, item: threading.Event | object | None) -> None:
+        """Queue a control item (flush, drain, shutdown) and wake a lingering thread."""
+        self._jobs.put(item)
+        self._wake.set()
 
     def _store(self, jobs: Sequence[_Job]) -> None:
         """RESERVE, copy rows into slots, checksum, COMMIT; on any failure publish nothing.
@@ -241,11 +258,11 @@ class Saver:
     def drain(self, timeout_s: float) -> bool:
         """Wait until every block staged so far was stored or failed; False on timeout."""
         done = threading.Event()
-        self._jobs.put(done)
+        self._post(done)
         return done.wait(timeout_s)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Store what is queued (bounded), stop the thread, close the connection."""
-        self._jobs.put(None)
+        self._post(None)
         self._thread.join(timeout=timeout_s)
         self.client.close()
