@@ -70,3 +70,50 @@ def test_a_restarted_server_s_old_mapping_is_unmapped_off_the_call(server_factor
         time.sleep(0.05)
     assert old_map() is None, "the retired mapping was never dropped"
     client.close()
+
+
+def _mapped_paths() -> set[str]:
+    with open("/proc/self/maps") as f:
+        return {line.split(maxsplit=5)[5].strip() for line in f if len(line.split()) == 6}
+
+
+def test_a_lookup_only_client_never_maps_the_arena(server_factory: object) -> None:
+    """vLLM's scheduler only looks keys up: its client (and its sibling, the refresher) must
+    not map, and so populate, the whole arena, not even after a server restart."""
+    server = server_factory("--ram", "16MiB")  # type: ignore[operator]
+    server.start()
+    writer = KVKeepClient(server.socket)
+    ws = writer.hello(NS, BLOCK)
+    ks = keys(3)
+    assert len(store(writer, ws, ks)) == 3
+    ((arena_path, _),) = arenamap._MAPS.keys()
+    assert arena_path in _mapped_paths()
+    writer.close()
+    del writer, ws
+    deadline = time.monotonic() + 10  # its background populate may still hold it a moment
+    while arena_path in _mapped_paths() and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.05)
+    assert arena_path not in _mapped_paths(), "a closed client's mapping outlived it"
+    lookups = KVKeepClient(server.socket, map_arena=False)
+    for client in (lookups, lookups.sibling()):
+        session = client.hello(NS, BLOCK)
+        assert client.lookup(session, ks).num_present == 3
+        client.touch(session, ks)
+        assert client.arena_mapping() is None
+        assert not arenamap._MAPS and arena_path not in _mapped_paths()
+    slot = KVKeepClient(server.socket)  # a slot this client could be handed by mistake
+    held = slot.acquire(slot.hello(NS, BLOCK), ks)
+    try:
+        lookups.slot_view(held[0])
+        raise AssertionError("slot_view worked without a mapping")
+    except RuntimeError as exc:
+        assert "map_arena=False" in str(exc)
+    slot.release(held)
+    slot.close()
+    server.terminate()
+    server.start()
+    session = lookups.hello(NS, BLOCK)
+    assert lookups.lookup(session, ks).num_present == 0  # a new instance; RAM only
+    assert lookups.arena_mapping() is None
+    lookups.close()

@@ -78,9 +78,9 @@ class LookupResult(NamedTuple):
 
 class _Arena(NamedTuple):
     instance: str
-    map: mmap.mmap
+    map: mmap.mmap | None  # None for a client made with map_arena=False
     tiers: tuple[str, ...]
-    shared: ArenaMap  # keeps the process's mapping alive while this client uses it
+    shared: ArenaMap | None  # keeps the process's mapping alive while this client uses it
 
 
 class KVKeepClient:
@@ -93,11 +93,16 @@ class KVKeepClient:
         token: bytes | None = None,
         timeout_s: float = 2.0,
         max_backoff_s: float = 5.0,
+        map_arena: bool = True,
     ) -> None:
+        """``map_arena`` False: a client that only looks keys up (vLLM's scheduler) and never
+        maps the server's arena; each mapping is populated, a page-table entry per 4 KiB page
+        of the whole arena, so one more per engine costs memory and CPU for nothing."""
         if (socket_path is None) == (address is None):
             raise ValueError("give exactly one of socket_path and address")
         self.socket_path, self.address, self.token = socket_path, address, token
         self.timeout_s, self.max_backoff_s = timeout_s, max_backoff_s
+        self.map_arena = map_arena
         self._lock = threading.RLock()
         self._depth = 0  # nesting of _op() in the thread holding the lock
         self._deadline = 0.0  # of the outermost call in progress
@@ -112,8 +117,9 @@ class KVKeepClient:
         """A new client to the same server with the same settings and its own connection (so
         a background thread's calls never wait for this client's lock). No I/O."""
         return KVKeepClient(
-            self.socket_path, self.address, self.token, self.timeout_s, self.max_backoff_s
-        )
+            self.socket_path, self.address, self.token, self.timeout_s, self.max_backoff_s,
+            self.map_arena,
+        )  # fmt: skip
 
     # --- sessions ----------------------------------------------------------------------------
 
@@ -207,7 +213,9 @@ class KVKeepClient:
     def slot_view(self, slot: SlotRef) -> np.ndarray:
         """A writable uint8 view of the slot's bytes in the shared arena (no copy)."""
         arena = self._arena
-        if arena is None or arena.instance != slot.instance:
+        if not self.map_arena:
+            raise RuntimeError("this client was made with map_arena=False: it has no slot views")
+        if arena is None or arena.map is None or arena.instance != slot.instance:
             raise CacheUnavailable("slot belongs to a server instance that is gone")
         return np.frombuffer(arena.map, dtype=np.uint8, count=slot.length, offset=slot.offset)
 
@@ -215,7 +223,7 @@ class KVKeepClient:
         """The server instance whose arena is mapped now, and the map (None before the first
         call that reached a server). A restarted server brings a new instance and map."""
         arena = self._arena
-        return (arena.instance, arena.map) if arena is not None else None
+        return (arena.instance, arena.map) if arena is not None and arena.map is not None else None
 
     def _buffer(self, slot: SlotRef) -> memoryview:
         view = self.slot_view(slot)
@@ -255,13 +263,16 @@ class KVKeepClient:
     def _map_arena(self, reply: p.HelloReply) -> None:
         if self._arena is not None and self._arena.instance == reply.instance:
             return
+        if not self.map_arena:
+            self._arena = _Arena(reply.instance, None, reply.tiers, None)
+            return
         try:
             shared = shared_map(reply.arena_path, reply.instance, reply.arena_bytes)
         except OSError as exc:
             raise CacheUnavailable(f"cannot map the arena: {exc}") from exc
         # The old mapping is dropped in the background (unmapping a populated arena takes a
         # tenth of a second per GiB); views of it may still be alive, and keep it until then.
-        if self._arena is not None:
+        if self._arena is not None and self._arena.shared is not None:
             retire(self._arena.shared, self._arena)
         self._arena = _Arena(reply.instance, shared.map, reply.tiers, shared)
 

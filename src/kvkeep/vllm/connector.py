@@ -128,6 +128,7 @@ class KVKeepConnector(KVConnectorBase_V1, SupportsHMA):
             socket_path=config.socket,
             timeout_s=config.timeout_s,
             max_backoff_s=config.max_backoff_s,
+            map_arena=role != KVConnectorRole.SCHEDULER,  # it only looks keys up
         )
         self._scheduler: SchedulerSide | None = None
         self._workers: list[WorkerSide] = []
