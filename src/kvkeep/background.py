@@ -13,6 +13,12 @@ queue drops writes to the lower tiers (counted; the block stays in RAM). Saves a
 work: on an engine that is never idle a saver at idle priority stored almost nothing, so the
 connector's saver and refresher keep the engine's priority. The cache server sets the policy
 from ``--background``.
+
+Binding is the other half. vLLM's CPU worker binds each thread of its OpenMP team to one core,
+and a new thread inherits the binding of the thread that starts it: every kvkeep thread
+started from the worker's main thread would share core 0 with the team's first thread, even
+on machines where vLLM leaves cores to its frontend. ``unbind`` gives such a thread back the
+CPUs of the process that started the worker (a user's ``taskset`` still holds).
 """
 
 from __future__ import annotations
@@ -42,6 +48,20 @@ def give_way() -> bool:
         return False
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        return False
+    return True
+
+
+def unbind() -> bool:
+    """Let the calling thread run on the CPUs of this process's parent (the set it was started
+    with, before a CPU engine bound its threads to single cores); True if that changed its
+    set. Nothing where the platform has no CPU affinity."""
+    try:
+        allowed = os.sched_getaffinity(os.getppid())
+        if allowed == os.sched_getaffinity(0):
+            return False
+        os.sched_setaffinity(0, allowed)
     except (AttributeError, OSError):
         return False
     return True

@@ -212,3 +212,24 @@ def test_the_saver_thread_keeps_the_engines_priority(server: Server) -> None:
         assert os.sched_getscheduler(saver._thread.native_id) == os.SCHED_OTHER
     finally:
         saver.shutdown()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to bind to one")
+def test_the_saver_thread_is_not_bound_to_its_creator_s_core(server: Server) -> None:
+    """vLLM's CPU worker binds its main thread to one core (its OpenMP team's first); the
+    saver started from it must not inherit that core, but run on the process's CPUs."""
+    allowed = os.sched_getaffinity(0)
+    if os.sched_getaffinity(os.getppid()) != allowed:
+        pytest.skip("pytest runs on other CPUs than its parent process")
+    os.sched_setaffinity(0, {min(allowed)})  # as vLLM binds the worker's main thread
+    try:
+        saver, _ = make_saver(server, engine())
+    finally:
+        os.sched_setaffinity(0, allowed)
+    thread_id = saver._thread.native_id
+    assert thread_id is not None
+    deadline = time.monotonic() + 5
+    while os.sched_getaffinity(thread_id) != allowed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert os.sched_getaffinity(thread_id) == allowed, "the saver kept its creator's core"
+    saver.shutdown()

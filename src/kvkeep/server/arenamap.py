@@ -26,7 +26,7 @@ import threading
 import time
 import weakref
 
-from kvkeep.background import give_way
+from kvkeep.background import give_way, unbind
 from kvkeep.store.shm import populate, unpopulate
 
 
@@ -63,6 +63,7 @@ def shared_map(path: str, instance: str, size: int) -> ArenaMap:
 
 
 def _populate_idle(arena_map: mmap.mmap) -> None:
+    unbind()
     give_way()
     populate(arena_map)
 
@@ -91,6 +92,7 @@ def retire(arena: ArenaMap, holder: object = None) -> None:
 
 
 def _unmap_retired() -> None:
+    unbind()
     while True:
         due, arena, holder = _retired.get()
         time.sleep(max(0.0, due - time.monotonic()))

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+from kvkeep.background import unbind
 from kvkeep.server.client import CacheUnavailable, KVKeepClient, Session, SlotRef
 from kvkeep.vllm.layout import KVLayout
 from kvkeep.vllm.scheduling import RequestLoad
@@ -156,6 +157,7 @@ class BackgroundLoads:
             return self._pending
 
     def _loop(self) -> None:
+        unbind()
         while True:
             job = self._jobs.get()
             if job is None:

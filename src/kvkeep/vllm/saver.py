@@ -44,6 +44,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from kvkeep.background import unbind
 from kvkeep.keys import BlockKey
 from kvkeep.server.client import CacheUnavailable, KVKeepClient, Session, SlotRef
 from kvkeep.store.base import checksum
@@ -164,6 +165,7 @@ class Saver:
     # in the background ---------------------------------------------------------------------
 
     def _loop(self) -> None:
+        unbind()  # not on the core of the forward's first thread, which started this one
         while True:
             job = self._jobs.get()
             if job is None:

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from kvkeep.background import unbind
 from kvkeep.keys import BlockKey
 from kvkeep.server.client import CacheUnavailable, KVKeepClient, Session, SlotRef
 from kvkeep.vllm import compat, cuda
@@ -123,6 +124,7 @@ class WorkerSide:
         """Map the cache server's arena while the engine starts, not on the first request
         (``kvkeep.server.arenamap`` populates it in the background). Never raises: with the
         server down, loads and saves find out for themselves."""
+        unbind()
         assert self.layout is not None
         ns = compat.namespace(self.vllm_config, self.kv_cache_config, self.group)
         if self.tp_rank:
