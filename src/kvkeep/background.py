@@ -17,8 +17,10 @@ from ``--background``.
 Binding is the other half. vLLM's CPU worker binds each thread of its OpenMP team to one core,
 and a new thread inherits the binding of the thread that starts it: every kvkeep thread
 started from the worker's main thread would share core 0 with the team's first thread, even
-on machines where vLLM leaves cores to its frontend. ``unbind`` gives such a thread back the
-CPUs of the process that started the worker (a user's ``taskset`` still holds).
+on machines where vLLM leaves cores to its frontend. ``unbind`` gives the data path's threads
+(saver, loader) the CPUs of the process that started the worker (a user's ``taskset`` still
+holds). The arena's populate and unmap threads stay where they were started: they take the
+memory-map lock, and on their creator's core they never take it while that thread runs.
 """
 
 from __future__ import annotations

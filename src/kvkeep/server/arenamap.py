@@ -26,7 +26,7 @@ import threading
 import time
 import weakref
 
-from kvkeep.background import give_way, unbind
+from kvkeep.background import give_way
 from kvkeep.store.shm import populate, unpopulate
 
 
@@ -63,7 +63,9 @@ def shared_map(path: str, instance: str, size: int) -> ArenaMap:
 
 
 def _populate_idle(arena_map: mmap.mmap) -> None:
-    unbind()
+    # Not unbound (``kvkeep.background.unbind``): at idle priority on its creator's core it
+    # runs only while that thread waits, and never takes the process's memory-map lock
+    # while that thread, starting up, maps memory.
     give_way()
     populate(arena_map)
 
@@ -92,7 +94,6 @@ def retire(arena: ArenaMap, holder: object = None) -> None:
 
 
 def _unmap_retired() -> None:
-    unbind()
     while True:
         due, arena, holder = _retired.get()
         time.sleep(max(0.0, due - time.monotonic()))
