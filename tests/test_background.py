@@ -44,6 +44,23 @@ def test_give_way_lowers_only_the_calling_thread(restore_policy: None) -> None:
         background.set_policy("low")
 
 
+def thread_names(pid: int) -> dict[int, str]:
+    return {t.id: Path(f"/proc/{pid}/task/{t.id}/comm").read_text().strip()
+            for t in psutil.Process(pid).threads()}  # fmt: skip
+
+
+def test_start_thread_names_the_thread_in_the_kernel_too() -> None:
+    seen: list[str] = []
+
+    def read_own_name() -> None:
+        seen.append(Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text())
+
+    thread = background.start_thread(read_own_name, "kvkeep-a-long-name-cut")
+    thread.join()
+    assert thread.name == "kvkeep-a-long-name-cut" and thread.daemon
+    assert seen == ["kvkeep-a-long-n\n"]  # the kernel keeps 15 bytes
+
+
 def thread_policies(pid: int) -> dict[int, int]:
     return {t.id: os.sched_getscheduler(t.id) for t in psutil.Process(pid).threads()}
 
@@ -72,5 +89,8 @@ def test_the_cache_servers_write_through_runs_at_idle_priority(tmp_path: Path, p
             time.sleep(0.02)
         assert policies[server.pid] == os.SCHED_OTHER
         assert len(idle) == expected, policies
+        names = thread_names(server.pid)
+        assert "kvkeep-writer" in names.values(), names  # named in the kernel, for top -H
+        assert [names[tid] for tid in idle] == ["kvkeep-writer"] * expected
     finally:
         server.kill()

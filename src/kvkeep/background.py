@@ -21,11 +21,20 @@ on machines where vLLM leaves cores to its frontend. ``unbind`` gives the data p
 (saver, loader) the CPUs of the process that started the worker (a user's ``taskset`` still
 holds). The arena's populate and unmap threads stay where they were started: they take the
 memory-map lock, and on their creator's core they never take it while that thread runs.
+
+Every kvkeep thread is started by ``start_thread``, which gives it its name in the kernel too
+(``kvkeep-save``, ``kvkeep-writer``, ...), so ``top -H``, ``ps -L`` and /proc show which of a
+vLLM worker's threads are kvkeep's and what CPU each takes.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
+import threading
+from collections.abc import Callable
+from typing import Any
 
 POLICIES = ("idle", "normal")
 _policy = "idle"
@@ -67,3 +76,32 @@ def unbind() -> bool:
     except (AttributeError, OSError):
         return False
     return True
+
+
+def start_thread(target: Callable[..., object], name: str, *args: Any) -> threading.Thread:
+    """Start ``target(*args)`` on a daemon thread named ``name``, in Python and in the kernel
+    (Linux keeps 15 bytes of it); returns the started thread."""
+
+    def run() -> None:
+        set_os_name(name)
+        target(*args)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+_PR_SET_NAME = 15
+_libc: Any = None
+
+
+def set_os_name(name: str) -> bool:
+    """Name the calling thread in the kernel (``/proc/self/task/*/comm``); True if it took.
+    Nothing off Linux."""
+    global _libc
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return _libc.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False

@@ -78,6 +78,12 @@ def test_staged_blocks_arrive_under_their_keys_with_their_bytes(server: Server) 
     assert saver.drain(10)
     assert stored(server, session, ks) == [block_bytes(layout, b) for b in ids]
     assert counters.values["saved_tokens"] == 5 * N
+    # what --profile reports: the saver thread's CPU, the server's and its RPC thread's
+    assert counters.values["saver_cpu_s"] > 0
+    client = KVKeepClient(server.socket)
+    stats = client.stats()
+    client.close()
+    assert stats["cpu_s"] >= stats["rpc_cpu_s"] > 0
     assert counters.values["save_failures"] == 0
     saver.shutdown()
 

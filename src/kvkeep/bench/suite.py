@@ -146,10 +146,10 @@ def _run_one(s: Scenario, ctx: RunContext, profile: bool = False) -> dict[str, A
     try:
         if engine is not None and not engine.running:
             raise RuntimeError("not run: vLLM is not running")
-        before = kvkeep_profile(ctx.urls) if profile else {}
+        before = _profile(ctx) if profile else {}
         result: dict[str, Any] = to_json(s.run(ctx))
-        if profile:  # a scenario that restarts vLLM reads its counters from zero: a floor
-            after = kvkeep_profile(ctx.urls)
+        if profile:  # a scenario that restarts vLLM or the cache reads counters from zero: a floor
+            after = _profile(ctx)
             result["profile"] = {k: max(v - before.get(k, 0.0), 0.0) for k, v in after.items()}
     except Exception as exc:  # one scenario's failure must not cost the others
         return _failure(ctx.mode, s.name, exc, engine)
@@ -157,6 +157,17 @@ def _run_one(s: Scenario, ctx: RunContext, profile: bool = False) -> dict[str, A
         result["server"] = {"ready_s": engine.ready_s, "log": str(engine.log_path),
                             "reserved_cpus": engine.cfg.reserved_cpus}  # fmt: skip
     return result
+
+
+def _profile(ctx: RunContext) -> dict[str, float]:
+    """The connector's seconds per phase and the cache servers' CPU seconds (``server_cpu``,
+    of which ``server_rpc_cpu`` answering requests), summed over the deployment."""
+    out = kvkeep_profile(ctx.urls)
+    for cache in ctx.caches:
+        stats = cache.stats() or {}
+        for key, name in (("cpu_s", "server_cpu"), ("rpc_cpu_s", "server_rpc_cpu")):
+            out[name] = out.get(name, 0.0) + float(stats.get(key, 0.0))
+    return out
 
 
 def _failure(

@@ -26,7 +26,7 @@ import threading
 import time
 import weakref
 
-from kvkeep.background import give_way
+from kvkeep.background import give_way, start_thread
 from kvkeep.store.shm import populate, unpopulate
 
 
@@ -56,9 +56,7 @@ def shared_map(path: str, instance: str, size: int) -> ArenaMap:
         finally:
             os.close(fd)
         _MAPS[(path, instance)] = arena
-    threading.Thread(
-        target=_populate_idle, args=(arena.map,), name="kvkeep-populate", daemon=True
-    ).start()
+    start_thread(_populate_idle, "kvkeep-populate", arena.map)
     return arena
 
 
@@ -89,8 +87,7 @@ def retire(arena: ArenaMap, holder: object = None) -> None:
     _retired.put((time.monotonic() + RETIRE_DELAY_S, arena, holder))
     with _LOCK:
         if _retirer is None or not _retirer.is_alive():
-            _retirer = threading.Thread(target=_unmap_retired, name="kvkeep-unmap", daemon=True)
-            _retirer.start()
+            _retirer = start_thread(_unmap_retired, "kvkeep-unmap")
 
 
 def _unmap_retired() -> None:

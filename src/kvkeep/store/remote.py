@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 from urllib.parse import unquote
 
-from kvkeep.background import give_way
+from kvkeep.background import give_way, start_thread
 from kvkeep.store.base import Found, StoreKey, TierCounters, TierStats, copy_checked
 from kvkeep.store.keyformat import REMOTE_KEY_PREFIX
 from kvkeep.store.throttle import Breaker, TokenBucket
@@ -261,8 +261,7 @@ class RemoteTier:
         self._in_flight_bytes = 0
         self._cond = threading.Condition()
         self._closing = threading.Event()
-        self._writer = threading.Thread(target=self._write_loop, name="kvkeep-remote", daemon=True)
-        self._writer.start()
+        self._writer = start_thread(self._write_loop, "kvkeep-remote")
 
     # --- Tier protocol ---------------------------------------------------------------------
 

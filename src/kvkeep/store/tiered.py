@@ -20,14 +20,13 @@ import enum
 import itertools
 import logging
 import queue
-import threading
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kvkeep.background import give_way
+from kvkeep.background import give_way, start_thread
 from kvkeep.store.base import NullTier, StoreKey, Tier, checksum
 from kvkeep.store.memory import ArenaTier
 from kvkeep.store.slots import INTERNAL, Holder, Offset, Pinned
@@ -117,8 +116,7 @@ class TieredStore:
         self.dropped_writes = 0
         self.write_errors = 0
         self.corrupt_writes = 0  # blocks whose RAM bytes no longer matched at write-through
-        self._writer = threading.Thread(target=self._write_loop, name="kvkeep-writer", daemon=True)
-        self._writer.start()
+        self._writer = start_thread(self._write_loop, "kvkeep-writer")
 
     # --- holders ---------------------------------------------------------------------------
 

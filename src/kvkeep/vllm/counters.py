@@ -28,6 +28,8 @@ PROFILE_NAMES = (
     "slot_copy_s",
     "checksum_s",
     "commit_rpc_s",
+    # the saver's thread: the CPU time it took for all of that (the others are wall times)
+    "saver_cpu_s",
 )
 """Where a kvkeep step's time goes, in seconds (``vllm:kvkeep_seconds_total{op=...}``)."""
 

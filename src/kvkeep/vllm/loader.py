@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from kvkeep.background import unbind
+from kvkeep.background import start_thread, unbind
 from kvkeep.server.client import CacheUnavailable, KVKeepClient, Session, SlotRef
 from kvkeep.vllm.layout import KVLayout
 from kvkeep.vllm.scheduling import RequestLoad
@@ -134,8 +134,7 @@ class BackgroundLoads:
         self._finished: list[LoadResult] = []
         self._lock = threading.Lock()
         self._pending = 0
-        self._thread = threading.Thread(target=self._loop, name="kvkeep-load", daemon=True)
-        self._thread.start()
+        self._thread = start_thread(self._loop, "kvkeep-load")
 
     def submit(self, session: Session, request: RequestLoad, after: Fence) -> None:
         """Queue a request's load; it is reported by a later ``take_finished``, exactly once."""

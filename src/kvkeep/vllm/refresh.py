@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 from collections.abc import Sequence
 
+from kvkeep.background import start_thread
 from kvkeep.keys import BlockKey
 from kvkeep.server.client import CacheUnavailable, KVKeepClient, Session
 
@@ -31,8 +31,7 @@ class Refresher:
         self._client = client
         self._queue: queue.Queue[tuple[Session, Sequence[BlockKey]] | None] = queue.Queue(depth)
         self.dropped = 0
-        self._thread = threading.Thread(target=self._loop, name="kvkeep-refresh", daemon=True)
-        self._thread.start()
+        self._thread = start_thread(self._loop, "kvkeep-refresh")
 
     def submit(self, session: Session, keys: Sequence[BlockKey]) -> bool:
         """Queue one TOUCH of ``keys``; False if it was dropped (queue full) or empty."""

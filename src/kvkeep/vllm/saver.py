@@ -44,7 +44,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kvkeep.background import unbind
+from kvkeep.background import start_thread, unbind
 from kvkeep.keys import BlockKey
 from kvkeep.server.client import CacheUnavailable, KVKeepClient, Session, SlotRef
 from kvkeep.store.base import checksum
@@ -116,8 +116,7 @@ class Saver:
         self._jobs: queue.Queue[_Job | threading.Event | object | None] = queue.Queue()
         self._lingering = False  # a job was queued since the last flush
         self._wake = threading.Event()  # ends a linger early (``_gather``)
-        self._thread = threading.Thread(target=self._loop, name="kvkeep-save", daemon=True)
-        self._thread.start()
+        self._thread = start_thread(self._loop, "kvkeep-save")
 
     # on the step ---------------------------------------------------------------------------
 
@@ -176,12 +175,14 @@ class Saver:
             if not isinstance(job, _Job):  # a flush with nothing waiting
                 continue
             batch, control = self._gather(job)
+            cpu = time.thread_time()
             try:
                 for session in dict.fromkeys(j.session for j in batch):
                     self._store([j for j in batch if j.session is session])
             finally:
                 for j in batch:
                     self._free.put(j.buffer)
+                self._count("saver_cpu_s", time.thread_time() - cpu)
             if control is None:
                 return
             if isinstance(control, threading.Event):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -19,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from kvkeep.background import unbind
+from kvkeep.background import start_thread, unbind
 from kvkeep.keys import BlockKey
 from kvkeep.server.client import CacheUnavailable, KVKeepClient, Session, SlotRef
 from kvkeep.vllm import compat, cuda
@@ -118,7 +117,7 @@ class WorkerSide:
             "fused" if self.layout.fused else "per-layer",
             *shape,
         )
-        threading.Thread(target=self._connect_early, name="kvkeep-connect", daemon=True).start()
+        start_thread(self._connect_early, "kvkeep-connect")
 
     def _connect_early(self) -> None:
         """Map the cache server's arena while the engine starts, not on the first request

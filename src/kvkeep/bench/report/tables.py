@@ -265,7 +265,8 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
 
 
 # The connector's phases (`vllm:kvkeep_seconds_total{op=...}`), then its whole load and save.
-PROFILE_OPS = (*(name.removesuffix("_s") for name in PROFILE_NAMES), "load", "save")
+PROFILE_OPS = (*(name.removesuffix("_s") for name in PROFILE_NAMES), "load", "save",
+               "server_cpu", "server_rpc_cpu")  # fmt: skip
 
 
 def profile_table(doc: dict[str, Any]) -> str:
@@ -282,5 +283,7 @@ def profile_table(doc: dict[str, Any]) -> str:
                      for op in PROFILE_OPS]  # fmt: skip
             rows.append([name, mode, _int(prof.get("requests")), *cells])
     head = ("### Connector profile (ms in total / ms per request; `load` and `save` are the "
-            "worker's whole step phases, the others their parts)\n\n")  # fmt: skip
+            "worker's whole step phases, the others their parts; `saver_cpu` is the saver "
+            "thread's CPU time, `server_cpu` the cache server's, `server_rpc_cpu` the part "
+            "of it that answered requests)\n\n")  # fmt: skip
     return head + _table(["scenario", "mode", "requests", *PROFILE_OPS], rows)
