@@ -14,9 +14,12 @@ a job for more (while enough buffers stay free for the steps, and until a step s
 ``flush``, as when prefills end), then sends one RESERVE and one COMMIT per session for all
 of them. With small steps (serve's CPU budget is two blocks) a
 RESERVE and COMMIT per step cost the cache server and this thread more CPU than the copies,
-and on a machine whose cores all run the engine that CPU is taken from the forward. A save is
-therefore visible up to ``LINGER_S`` later than its step; ``drain`` and ``shutdown`` store
-what is waiting at once.
+and on a machine whose cores all run the engine that CPU is taken from the forward. Per
+8k-token cold prompt on 2 cores (64 blocks, 32 steps), a linger of 50 ms cost the cache
+server 5.6 ms of CPU answering and this thread 6.4 ms; 250 ms and up to 256 blocks a batch
+cost 2.7 and 3.5 ms. A save is therefore visible up to ``LINGER_S`` later than its step,
+within a prefill only: a step that saves nothing (a prefill ended) stores what waits, and
+``drain`` and ``shutdown`` store it at once.
 
 Why staging, not slots leased ahead: a slot is reserved under its key, and the keys of a
 step's blocks are known only when its plan arrives; an RPC to get them would be on the step.
@@ -59,8 +62,8 @@ MAX_AUTO_STAGING_BYTES = 1 << 30  # pinned memory on CUDA: a bigger budget is as
 
 
 MIN_BUFFERS = 16  # jobs the saver may have in flight before a step's saves are skipped
-LINGER_S = 0.05  # how long the background thread waits for more jobs to store together
-MAX_BATCH_BLOCKS = 64  # blocks stored by one RESERVE/COMMIT pair, at most
+LINGER_S = 0.25  # how long the background thread waits for more jobs to store together
+MAX_BATCH_BLOCKS = 256  # blocks stored by one RESERVE/COMMIT pair, at most
 
 
 def staging_shape(step_blocks: int, block_bytes: int, staging_bytes: int | None) -> tuple[int, int]:
