@@ -8,6 +8,7 @@ identical across processes, restarts and ``PYTHONHASHSEED`` values.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Sequence
@@ -59,11 +60,18 @@ class Namespace:
 
     def digest(self) -> bytes:
         """32-byte sha256 of :meth:`canonical`; stable across processes and versions."""
-        return hashlib.sha256(self.canonical()).digest()
+        return _digest_of(self)
 
     def root_key(self) -> BlockKey:
         """The parent key of a prompt's first block in this namespace."""
         return root_key_of(self.digest())
+
+
+@functools.lru_cache(maxsize=1024)
+def _digest_of(namespace: Namespace) -> bytes:
+    """Equal namespaces have one digest: computed once (the connector asks for it every step,
+    and the JSON and hash took 0.1 ms a time)."""
+    return hashlib.sha256(namespace.canonical()).digest()
 
 
 def root_key_of(digest: bytes) -> BlockKey:
