@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from kvkeep.keys import KEY_BYTES, Namespace, chain_keys, pack_tokens
@@ -79,14 +80,19 @@ def test_every_namespace_field_changes_keys(field: str, value: object) -> None:
 def test_known_answer() -> None:
     # Pin the encoding: a change here invalidates every cache on disk (bump FORMAT_VERSION).
     assert pack_tokens([1, 256]) == b"\x01\x00\x00\x00\x00\x01\x00\x00"
+    ids = [0, 1, 256, 65_536, 2**32 - 1]
+    assert pack_tokens(ids) == pack_tokens(tuple(ids)) == pack_tokens(np.array(ids))
     assert NS.canonical().startswith(b'{"backend":"cpu-avx512","block_size":4')
 
 
 def test_bad_inputs_raise() -> None:
     with pytest.raises(ValueError):
         chain_keys(NS, [1, 2, 3, 4], 8)
-    with pytest.raises(ValueError):
-        pack_tokens([-1])
+    for bad in ([-1], [2**32], (1, 2**40), [1.5]):  # lists and tuples take their own path
+        with pytest.raises(ValueError, match=r"\[0, 2\*\*32\)"):
+            pack_tokens(bad)
+        with pytest.raises(ValueError):
+            pack_tokens(np.array(bad))
     with pytest.raises(ValueError):
         Namespace("m", "f16", "L", "b", block_size=4, tp_rank=2, tp_size=2)
 
