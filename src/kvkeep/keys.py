@@ -123,9 +123,15 @@ def chain_keys(
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     prev = parent if parent is not None else _root_of(root)
-    packed = pack_tokens(token_ids)
+    return chain_packed(prev, pack_tokens(token_ids), block_size)
+
+
+def chain_packed(parent: BlockKey, packed: bytes, block_size: int) -> list[BlockKey]:
+    """``chain_keys`` on tokens already packed (``pack_tokens``), after the block keyed
+    ``parent`` (or the root key). Pure."""
     stride = 4 * block_size
     keys: list[BlockKey] = []
+    prev = parent
     for start in range(0, len(packed) - stride + 1, stride):
         prev = BlockKey(hashlib.sha256(prev + packed[start : start + stride]).digest())
         keys.append(prev)
