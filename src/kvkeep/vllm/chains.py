@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvkeep.keys import BlockKey
+from kvkeep.keys import BlockKey, chain_packed, pack_tokens
 
 DEFAULT_MAX_BYTES = 32 << 20  # packed tokens and keys kept (about 45 chains of 115k tokens)
 _KEY_BYTES = 32
@@ -109,3 +109,44 @@ class RecentChains:
 
     def __len__(self) -> int:
         return len(self._chains)
+
+
+class _KeyMemo(NamedTuple):
+    root: BlockKey
+    keys: list[BlockKey]  # of the request's full blocks so far
+    packed: bytearray  # their tokens, packed
+
+
+class RequestKeys:
+    """Each request's block keys, extended as its tokens grow; a new request takes the keys
+    of the blocks it shares with a recently finished one (``recent``) and hashes the rest."""
+
+    def __init__(self, block_size: int, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        self.block_size = block_size
+        self.recent = RecentChains(block_size, max_bytes)
+        self._memos: dict[str, _KeyMemo] = {}
+
+    def keys_for(self, req_id: str, root: BlockKey, tokens: Sequence[int]) -> list[BlockKey]:
+        """Keys of every full block of ``tokens`` under ``root``. Idempotent: a request's
+        tokens only ever grow, so the memo's keys stay valid (a new root starts over)."""
+        memo = self._memos.get(req_id)
+        if memo is None or memo.root != root:
+            memo = _KeyMemo(root, [], bytearray())
+            self._memos[req_id] = memo
+        keys, size = memo.keys, self.block_size
+        done = len(keys) * size
+        full = (len(tokens) - done) // size
+        if full:
+            packed = pack_tokens(tokens[done : done + full * size])
+            if not keys:
+                keys += self.recent.prefix(root, packed)
+            skip = 4 * (len(keys) * size - done)  # bytes of ``packed`` keyed just now
+            keys += chain_packed(keys[-1] if keys else root, packed[skip:], size)
+            memo.packed.extend(packed)
+        return keys
+
+    def finish(self, req_id: str) -> None:
+        """Forget the request; keep its chain among the recent ones. Idempotent."""
+        memo = self._memos.pop(req_id, None)
+        if memo is not None:
+            self.recent.add(memo.root, bytes(memo.packed), memo.keys)

@@ -39,8 +39,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from kvkeep.keys import BlockKey, Namespace, chain_packed, pack_tokens
-from kvkeep.vllm.chains import RecentChains
+from kvkeep.keys import BlockKey, Namespace
+from kvkeep.vllm.chains import RequestKeys
 
 # The counters lived here before they had a module; their old names still work.
 from kvkeep.vllm.counters import COUNTER_NAMES as COUNTER_NAMES
@@ -238,12 +238,6 @@ class _Tracked:
     save_from: int = 0  # a sliding-window group saves no block before this one
 
 
-class _KeyMemo(NamedTuple):
-    root: BlockKey
-    keys: list[BlockKey]  # of the request's full blocks so far
-    packed: bytearray  # their tokens, packed
-
-
 class RequestBook:
     """The scheduler side's memory of requests, between vLLM's callbacks, for one KV cache
     group. Not thread-safe (vLLM's scheduler is single-threaded).
@@ -272,8 +266,8 @@ class RequestBook:
         self.window = window
         self.null_block = null_block
         self._roots: dict[str | None, BlockKey] = {}
-        self._keys: dict[str, _KeyMemo] = {}
-        self.chains = RecentChains(self.block_size)  # finished requests' keys, to extend
+        self._keys = RequestKeys(self.block_size)
+        self.chains = self._keys.recent  # finished requests' keys, that new ones extend
         self._matches: dict[str, Match] = {}
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[RequestLoad] = []
@@ -296,26 +290,9 @@ class RequestBook:
         return self._roots[cache_salt]
 
     def keys_for(self, req_id: str, tokens: Sequence[int], salt: str | None) -> list[BlockKey]:
-        """Keys of every full block of ``tokens``, extending a memoised chain. Idempotent:
-        a request's tokens only ever grow, so the memo's keys stay valid. A new request
-        takes the keys of the blocks it shares with a recently finished one (``chains``)
-        and hashes only the rest."""
-        root = self.root_for(salt)
-        memo = self._keys.get(req_id)
-        if memo is None or memo.root != root:
-            memo = _KeyMemo(root, [], bytearray())
-            self._keys[req_id] = memo
-        keys, size = memo.keys, self.block_size
-        done = len(keys) * size
-        full = (len(tokens) - done) // size
-        if full:
-            packed = pack_tokens(tokens[done : done + full * size])
-            if not keys:
-                keys += self.chains.prefix(root, packed)
-            skip = 4 * (len(keys) * size - done)  # bytes of ``packed`` keyed just now
-            keys += chain_packed(keys[-1] if keys else root, packed[skip:], size)
-            memo.packed.extend(packed)
-        return keys
+        """Keys of every full block of ``tokens``, extending the request's memoised chain
+        (``RequestKeys``: a new request starts from a recent one it extends)."""
+        return self._keys.keys_for(req_id, self.root_for(salt), tokens)
 
     # windows ------------------------------------------------------------------------------
 
@@ -497,9 +474,7 @@ class RequestBook:
     def finish(self, req_id: str) -> None:
         """Forget a finished or aborted request. Idempotent."""
         self._tracked.pop(req_id, None)
-        memo = self._keys.pop(req_id, None)
-        if memo is not None:
-            self.chains.add(memo.root, bytes(memo.packed), memo.keys)
+        self._keys.finish(req_id)
         self._matches.pop(req_id, None)
         self._in_flight.pop(req_id, None)
         self._no_claims.discard(req_id)
