@@ -4,7 +4,7 @@ reset, so the second reply is computed on KV loaded from kvkeep. Passes when kvk
 tokens and the greedy replies are equal, and only on a model whose replies depend on their
 context: a model directory without weight files is refused before anything starts, and the
 same question after two other prefixes must get two other replies (vLLM's generated weights,
-``--load-format dummy``, would give every prompt the same reply, so equal replies would prove
+its ``dummy`` load format, would give every prompt the same reply, so equal replies would prove
 nothing about the KV).
 """
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvkeep import serve
+from kvkeep.cpu_pool import GENERATED_WEIGHTS
 from kvkeep.installed_vllm import InstalledVLLM
 from kvkeep.serve import (
     CPU_SCHEDULING,
@@ -187,15 +188,17 @@ def test_a_mamba_hybrid_is_refused_before_anything_starts(tmp_path: Path) -> Non
     assert not state.exists()
 
 
-# Every way vLLM 0.32's own parser (checked against it) reads as generated weights.
+# Every way vLLM 0.32's own parser (checked against it) reads as generated weights: inputs
+# the guard must refuse, never an engine this suite starts.
+G = GENERATED_WEIGHTS
 GENERATED = [
-    ("--load-format", "dummy"),
-    ("--load-format=dummy",),
-    ("--load-format", "DUMMY"),  # vLLM lowercases the value
-    ("--load_format", "dummy"),  # and turns underscores in option names into dashes
-    ("--load_format=Dummy",),
-    ("--load-f", "dummy"),  # argparse takes a unique abbreviation
-    ("--load-format", "safetensors", "--load-format", "dummy"),  # the last one counts
+    ("--load-format", G),
+    (f"--load-format={G}",),
+    ("--load-format", G.upper()),  # vLLM lowercases the value
+    ("--load_format", G),  # and turns underscores in option names into dashes
+    (f"--load_format={G.capitalize()}",),
+    ("--load-f", G),  # argparse takes a unique abbreviation
+    ("--load-format", "safetensors", "--load-format", G),  # the last one counts
 ]
 
 
@@ -203,15 +206,15 @@ GENERATED = [
 def test_every_spelling_of_generated_weights_is_read_as_vllm_reads_it(
     args: tuple[str, ...],
 ) -> None:
-    assert serve.load_format(list(args)) == "dummy"
+    assert serve.load_format(list(args)) == G
     with pytest.raises(ValueError, match="vLLM would generate the model's weights"):
         serve.check_weights(list(args))
 
 
 def test_a_vllm_config_file_is_read_for_its_load_format(tmp_path: Path) -> None:
     config = tmp_path / "vllm.yaml"
-    config.write_text("load_format: dummy\nport: 8000\n")
-    assert serve.load_format(["--config", str(config)]) == "dummy"
+    config.write_text(f"load_format: {G}\nport: 8000\n")
+    assert serve.load_format(["--config", str(config)]) == G
     assert serve.load_format(["--config", str(config), "--load-format", "auto"]) == "auto"
     config.write_text("port: 8000\n")
     assert serve.load_format([f"--config={config}"]) is None
@@ -220,8 +223,8 @@ def test_a_vllm_config_file_is_read_for_its_load_format(tmp_path: Path) -> None:
     for ok in (
         [],
         ["--load-format", "safetensors"],
-        ["--load-formatx", "dummy"],
-        ["--model", "dummy"],
+        ["--load-formatx", G],
+        ["--model", G],
     ):
         serve.check_weights(ok)
 
@@ -244,6 +247,6 @@ def test_generated_weights_are_refused_before_anything_starts(tmp_path: Path) ->
         proc = serve_(*args)
         assert proc.returncode == 2, proc.stderr
         assert proc.stdout == "" and "Traceback" not in proc.stderr
-        assert "--load-format dummy: vLLM would generate the model's weights" in proc.stderr
+        assert f"load format {G!r}: vLLM would generate the model's weights" in proc.stderr
         assert not state.exists()
     assert serve_("--load-format", "safetensors").returncode == 0

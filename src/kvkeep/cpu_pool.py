@@ -28,6 +28,10 @@ GiB = 1 << 30
 # 2 GB of RSS for the tiny model (DESIGN.md, "Facts measured on this machine").
 VLLM_OVERHEAD_BYTES = 2 * GiB
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+# The load format with which vLLM makes weights up instead of reading them. kvkeep refuses it
+# everywhere (serve, the bench's launcher, the connector): with made-up weights no reply
+# depends on its context, so no wrong KV block could show.
+GENERATED_WEIGHTS = "dummy"
 
 
 class PoolDoesNotFit(ValueError):

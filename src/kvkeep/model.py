@@ -5,11 +5,12 @@ offline on the Python standard library's own sources, a `tokenizer_config.json` 
 template that understands tools, and seeded random weights in `model.safetensors` that vLLM
 loads through its real weight loader.
 
-The weights are what make the model a test instrument. vLLM's `--load-format dummy` fills
-every weight with tiny values, so the output distribution is uniform and a reply does not depend
-on its context: no test could see a wrong KV block. Here embeddings are N(0, 1), projections
-N(0, `PROJECTION_STD`) and norms 1, so attention carries real signal and a different prefix (or
-a wrong KV block) changes the greedy reply. `tests/e2e/test_guard.py` checks that it does.
+The weights are what make the model a test instrument. vLLM's generated weights (its `dummy`
+load format) fill every weight with tiny values, so the output distribution is uniform and a
+reply does not depend on its context: no test could see a wrong KV block. Here embeddings are
+N(0, 1), projections N(0, `PROJECTION_STD`) and norms 1, so attention carries real signal and a
+different prefix (or a wrong KV block) changes the greedy reply.
+`tests/e2e/test_correctness.py::test_the_model_reads_its_context` checks that it does.
 
 The same arguments give byte-identical files: the training corpus is a sorted, size-capped list
 of standard-library files, training runs single-threaded, and every tensor is drawn from its own

@@ -28,6 +28,7 @@ from pathlib import Path
 import yaml
 
 from kvkeep.cpu_pool import (
+    GENERATED_WEIGHTS,
     MemoryBudget,
     available_bytes,
     choose_pool,
@@ -329,9 +330,6 @@ def check_model(model: str) -> None:
         raise ValueError(refusal(found, model))
 
 
-GENERATED_WEIGHTS = "dummy"  # vLLM's --load-format that makes up the weights instead of reading
-
-
 def load_format(vllm_args: Sequence[str]) -> str | None:
     """The load format ``vllm_args`` give vLLM, read as vLLM's own parser reads it (None: not
     given): flag names with underscores (``--load_format``), unique abbreviations
@@ -374,10 +372,10 @@ def check_weights(vllm_args: Sequence[str]) -> None:
     Raises ValueError saying what to do. (The connector refuses them too, at engine start.)"""
     if load_format(vllm_args) == GENERATED_WEIGHTS:
         raise ValueError(
-            f"--load-format {GENERATED_WEIGHTS}: vLLM would generate the model's weights, and "
+            f"load format {GENERATED_WEIGHTS!r}: vLLM would generate the model's weights, and "
             "with them no reply depends on its context, so no wrong KV block could ever show; "
-            "serve the model's own weights (drop --load-format; `kvkeep model tiny DIR` writes "
-            "a small seeded model)"
+            "serve the model's own weights (drop the load format; `kvkeep model tiny DIR` "
+            "writes a small seeded model)"
         )
 
 

@@ -8,7 +8,15 @@ from pathlib import Path
 import pytest
 
 from kvkeep.bench.deploy.cache import CacheServer, CacheSpec
-from kvkeep.bench.deploy.vllm import MODES, LaunchConfig, build_command
+from kvkeep.bench.deploy.vllm import (
+    MODES,
+    LaunchConfig,
+    LaunchError,
+    VLLMServer,
+    build_command,
+    loaded_format,
+)
+from kvkeep.cpu_pool import GENERATED_WEIGHTS
 from kvkeep.serve import CPU_SCHEDULING, flag_value
 
 
@@ -44,10 +52,28 @@ def test_every_mode_loads_the_models_own_weights(tiny_model: Path) -> None:
         cfg.validate()
         argv, _ = build_command(cfg, 8000)
         assert not any(a.startswith("--load-format") for a in argv), argv
-    for extra in (("--load-format", "dummy"), ("--load_format", "DUMMY"), ("--load-f", "dummy")):
-        with pytest.raises(ValueError, match="--load-format dummy"):
+    g = GENERATED_WEIGHTS  # inputs the launcher must refuse
+    for extra in (("--load-format", g), ("--load_format", g.upper()), ("--load-f", g)):
+        with pytest.raises(ValueError, match="vLLM would generate the model's weights"):
             LaunchConfig(model=tiny_model, extra_args=extra).validate()
     LaunchConfig(model=tiny_model, extra_args=("--load-format", "safetensors")).validate()
+
+
+def test_an_engine_whose_log_says_it_generated_its_weights_is_refused(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """The check after start-up, for a way past the argument checks (an environment
+    variable, say): vLLM's own config line decides. A real engine that generates its weights
+    is what the suite never starts, so its log line stands in."""
+    server = VLLMServer(LaunchConfig(model=tiny_model, log_dir=tmp_path))
+    line = "INFO [core.py:133] Initializing a V1 LLM engine with config: load_format={}, x=1\n"
+    server.log_path.write_text(line.format("auto"))
+    server._check_loaded_weights()
+    server.log_path.write_text(line.format(GENERATED_WEIGHTS.upper()))
+    with pytest.raises(LaunchError, match="vLLM generated the model's weights"):
+        server._check_loaded_weights()
+    server.log_path.write_text("no config line yet\n")
+    assert loaded_format(server.log_path) is None
 
 
 def test_a_model_without_weights_is_refused(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvkeep.bench.deploy.vllm import LaunchConfig, LaunchError, VLLMServer
+from kvkeep.bench.deploy.vllm import LaunchConfig, LaunchError, VLLMServer, loaded_format
 from kvkeep.endpoint import complete_ids, discover_model
 
 pytestmark = pytest.mark.e2e
@@ -28,6 +28,12 @@ def server(request, tiny_model: Path, tmp_path_factory) -> Iterator[VLLMServer]:
     with VLLMServer(cfg) as s:
         yield s
     assert s.proc is not None and s.proc.poll() is not None, "server still running after stop"
+
+
+def test_the_engine_says_it_loaded_the_models_own_weights(server) -> None:
+    """What the launcher checks after every start reads vLLM's real log: without a match
+    there the check would pass every engine, generated weights or not."""
+    assert loaded_format(server.log_path) == "auto"
 
 
 def _kvkeep(*args: str) -> subprocess.CompletedProcess[str]:

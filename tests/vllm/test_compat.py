@@ -33,6 +33,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.request import Request
 
+from kvkeep.cpu_pool import GENERATED_WEIGHTS
 from kvkeep.keys import Namespace
 from kvkeep.server.client import CacheUnavailable, KVKeepClient, LookupResult
 from kvkeep.vllm import compat
@@ -392,14 +393,14 @@ def _events(counts: dict[str, float] | None) -> dict[str, float]:
 
 
 def test_generated_weights_are_refused_at_start_up() -> None:
-    """vLLM's dummy weights make every reply independent of its context: no KV check could
+    """vLLM's generated weights make every reply independent of its context: no KV check could
     fail, so the connector refuses them and names the fix."""
-    dummy = engine()
-    dummy.load_config = SimpleNamespace(load_format="dummy")
+    made_up = engine()
+    made_up.load_config = SimpleNamespace(load_format=GENERATED_WEIGHTS)
     with pytest.raises(UnsupportedConfig, match="own weights"):
-        check_supported(dummy, cache_config(full()))
-    dummy.load_config = SimpleNamespace(load_format="safetensors")
-    check_supported(dummy, cache_config(full()))
+        check_supported(made_up, cache_config(full()))
+    made_up.load_config = SimpleNamespace(load_format="safetensors")
+    check_supported(made_up, cache_config(full()))
 
 
 # --- a hybrid's hit rule ----------------------------------------------------------------------

@@ -11,9 +11,9 @@
    after such a tie is compared: from there on the histories differ.
 
 A wrong KV block moves logprobs by far more (0.5 to several nats on the tiny model) at
-positions that are no tie (``tests/e2e/test_guard.py``). Rule 1 holds only against a hit on the
-copy kvkeep kept (the first of a block vLLM computes twice), so tests that use it compute no
-block twice.
+positions that are no tie (``test_a_wrong_block_changes_the_reply`` in
+``tests/e2e/test_correctness.py``). Rule 1 holds only against a hit on the copy kvkeep kept
+(the first of a block vLLM computes twice), so tests that use it compute no block twice.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvkeep.cpu_pool import GENERATED_WEIGHTS
 from kvkeep.keys import Namespace
 from kvkeep.vllm.layout import LayoutDescription
 
@@ -145,7 +146,7 @@ def model_digest(vllm_config: Any) -> str:
 
 
 def load_format_of(vllm_config: Any) -> str:
-    """vLLM's load format ("auto", "safetensors", "dummy", ...); "" when it is not known."""
+    """vLLM's load format ("auto", "safetensors", ...); "" when it is not known."""
     return str(getattr(getattr(vllm_config, "load_config", None), "load_format", "") or "")
 
 
@@ -272,9 +273,10 @@ def check_supported(vllm_config: Any, kv_cache_config: Any | None) -> None:
     would be served with missing or wrong KV. Raises UnsupportedConfig naming the problem.
     """
     _check_parallel(vllm_config.parallel_config)
-    if load_format_of(vllm_config).lower() == "dummy":
+    if load_format_of(vllm_config).lower() == GENERATED_WEIGHTS:
         raise UnsupportedConfig(
-            "vLLM generates this model's weights (--load-format dummy): its replies do not "
+            f"vLLM generates this model's weights (load format {GENERATED_WEIGHTS!r}): its "
+            "replies do not "
             "depend on their context, so no check can tell right KV from wrong; load the "
             "model's own weights (e.g. `kvkeep model tiny DIR` writes a small seeded model)"
         )

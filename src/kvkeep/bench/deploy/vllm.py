@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 
 from kvkeep.bench.deploy import exit_on_sigterm
-from kvkeep.cpu_pool import WEIGHT_SUFFIXES
+from kvkeep.cpu_pool import GENERATED_WEIGHTS, WEIGHT_SUFFIXES
 from kvkeep.serve import (
     check_weights,
     kv_transfer_args,
@@ -112,6 +112,13 @@ class LaunchConfig:
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError("num_blocks must be at least 2")
         _check_real_weights(self.model, self.extra_args)
+
+
+def loaded_format(log_path: Path) -> str | None:
+    """The load format vLLM's engine logs its config with (``load_format=auto``), lowercased;
+    None if the log holds none (yet)."""
+    found = re.search(rb"\bload_format=(\w+)", log_path.read_bytes())
+    return found.group(1).decode().lower() if found else None
 
 
 def _check_real_weights(model: Path, extra_args: Sequence[str]) -> None:
@@ -215,6 +222,7 @@ class VLLMServer:
         _RUNNING.add(self)
         try:
             self._wait_ready(t0)
+            self._check_loaded_weights()
         except BaseException:
             self.stop()
             raise
@@ -261,6 +269,17 @@ class VLLMServer:
         raise LaunchError(
             self._failure(f"vLLM was not ready after {self.cfg.ready_timeout_s:.0f} s")
         )
+
+    def _check_loaded_weights(self) -> None:
+        """What vLLM says it loaded, read back from its log: the bench and the tests judge
+        replies, so an engine that generated its weights (however it was told to: a flag,
+        a config file, an environment variable) is stopped here. Raises LaunchError."""
+        if loaded_format(self.log_path) == GENERATED_WEIGHTS:
+            raise LaunchError(self._failure(
+                f"vLLM generated the model's weights (load format {GENERATED_WEIGHTS!r}): no "
+                "reply would depend on its context, so no wrong KV block could show; load the "
+                "model's own weights"
+            ))  # fmt: skip
 
     def _failure(self, why: str) -> str:
         tail = log_tail(self.log_path, LOG_TAIL_LINES)
