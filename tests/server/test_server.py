@@ -38,6 +38,28 @@ def test_round_trip_lookup_acquire(server: Server) -> None:
     client.close()
 
 
+def test_a_release_sent_without_waiting_lets_go_of_the_pins(server: Server) -> None:
+    """The loader's RELEASE does not wait for its reply: the next call on the client reads
+    it first and gets its own answer, and the blocks are unpinned (other traffic can evict
+    them from RAM; pinned ones it never could)."""
+    client = KVKeepClient(server.socket)
+    session = client.hello(NS, BLOCK)
+    ours = keys(8)
+    store(client, session, ours)
+    slots = client.acquire(session, ours)
+    assert len(slots) == 8
+    client.release(slots, wait=False)
+    assert client.lookup(session, ours).tiers == ("ram",) * 8, "its own reply, in step"
+    other = KVKeepClient(server.socket)
+    other_session = other.hello(NS, BLOCK)
+    ram_slots = client.stats()["tiers"]["ram"]["capacity_bytes"] // BLOCK
+    for start in range(0, 2 * ram_slots, 32):  # twice what RAM holds, none of them ours
+        store(other, other_session, keys(32, offset=(1000 + start) * NS.block_size))
+    assert "ram" not in client.lookup(session, ours).tiers, "released blocks can be evicted"
+    client.close()
+    other.close()
+
+
 def test_namespaces_never_alias(server: Server) -> None:
     client = KVKeepClient(server.socket)
     other_ns = Namespace("other-model", "float16", "LBNHC", "cuda", block_size=16)

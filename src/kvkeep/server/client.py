@@ -110,6 +110,7 @@ class KVKeepClient:
         self._ns_ids: dict[Session, int] = {}
         self._arena: _Arena | None = None
         self._next_id = 0
+        self._unanswered: list[int] = []  # ids of requests sent without waiting, in order
         self._failures = 0
         self._retry_at = 0.0
 
@@ -192,17 +193,29 @@ class KVKeepClient:
                     for k, s in zip(keys, slots, strict=False)
                 ]
 
-    def release(self, slots: Sequence[SlotRef], corrupt: Sequence[SlotRef] = ()) -> None:
+    def release(
+        self, slots: Sequence[SlotRef], corrupt: Sequence[SlotRef] = (), wait: bool = True
+    ) -> None:
         """Unpin acquired slots or abandon reserved ones. Slots of a dead instance are ignored.
 
         ``corrupt``: acquired slots among ``slots`` that failed ``verify``; the server checks
         them again and drops those whose bytes are bad, so a later save can replace them.
+
+        ``wait`` False sends the request and returns without waiting for the reply: a load on
+        the engine's step does not wait a round trip to let go of its pins. The server acts on
+        it at once, in order with this connection's other requests; the reply is read before
+        the next call on this client. Nothing depends on it: a connection that closes drops
+        its pins anyway.
         """
         with self._op():
             live = [s.offset for s in slots if self._arena and s.instance == self._arena.instance]
             if live and self._sock is not None:
                 bad = tuple(s.offset for s in corrupt if s.offset in live)
-                self._call(p.ReleaseRequest(tuple(live), bad))
+                request = p.ReleaseRequest(tuple(live), bad)
+                if wait:
+                    self._call(request)
+                else:
+                    self._send(request)
 
     def stats(self, integrity: bool = False) -> dict[str, Any]:
         """The server's stats map; with ``integrity``, also ``integrity``: the problems the
@@ -307,14 +320,45 @@ class KVKeepClient:
             raise TimeoutError("deadline passed")
         return left
 
+    def _send(self, request: p.RequestMessage) -> None:
+        """Send ``request`` on the open connection and leave its reply for the next call."""
+        op = request.OP
+        with self._op():
+            sock = self._sock
+            if sock is None:
+                return
+            self._next_id += 1
+            try:
+                sock.settimeout(self._remaining())
+                sock.sendall(p.frame(p.request_body(self._next_id, op, request.encode())))
+            except (OSError, ValueError) as exc:
+                self._fail()
+                raise CacheUnavailable(f"{op.value} failed: {exc}") from exc
+            self._unanswered.append(self._next_id)
+
+    def _read_unanswered(self, sock: socket.socket) -> None:
+        """Read the replies of requests sent without waiting (``_send``). A refusal there
+        is no caller's business; one that ends the connection does end it."""
+        while self._unanswered:
+            expected = self._unanswered[0]
+            reply = self._read_reply(sock)
+            del self._unanswered[0]
+            if reply.get("id") != expected or reply.get("v") != p.PROTOCOL_VERSION:
+                raise ValueError("reply out of step with the request")
+            error = reply.get("error")
+            fatal = {c.value for c in p.FATAL_CODES}
+            if not reply.get("ok") and isinstance(error, dict) and error.get("code") in fatal:
+                raise ConnectionError(f"the server ended the connection: {error}")
+
     def _call(self, request: p.RequestMessage) -> dict[str, Any]:
         """The result map of ``request``'s reply (decode it with its reply type)."""
         op = request.OP
         with self._op():
             reused = self._sock is not None
             sock = self._ensure_connected()
-            self._next_id += 1
             try:
+                self._read_unanswered(sock)
+                self._next_id += 1
                 sock.settimeout(self._remaining())
                 sock.sendall(p.frame(p.request_body(self._next_id, op, request.encode())))
                 reply = self._read_reply(sock)
@@ -403,6 +447,7 @@ class KVKeepClient:
             self._sock.close()
         self._sock = None
         self._ns_ids.clear()
+        self._unanswered.clear()
 
 
 def _recv_exactly(sock: socket.socket, count: int, remaining: Callable[[], float]) -> bytes:

@@ -4,6 +4,8 @@
 
     ACQUIRE keys (pins) -> verify each slot's checksum -> copy the verified prefix in -> RELEASE
 
+RELEASE is sent without waiting for its reply (read before the connection's next call).
+
 A synchronous load runs it in ``start_load_kv``, before the forward. An asynchronous one
 (vLLM's ``load_async``: the request waits in ``WAITING_FOR_REMOTE_KVS`` and is not scheduled
 until it is reported) runs it on ``BackgroundLoads``' thread, on a connection of its own, and
@@ -112,9 +114,10 @@ class BlockLoader:
     def _release(self, slots: Sequence[SlotRef], corrupt: Sequence[SlotRef] = ()) -> None:
         if not slots:
             return
-        # On failure the server drops a dead connection's pins itself.
+        # Not waiting for the reply: the copy is done, and nothing here needs the answer (on
+        # failure the server drops a dead connection's pins itself).
         with contextlib.suppress(CacheUnavailable), self._timed("release_rpc_s"):
-            self.client.release(slots, corrupt)
+            self.client.release(slots, corrupt, wait=False)
 
 
 class _Job(NamedTuple):
