@@ -14,7 +14,7 @@ from kvkeep.bench.metrics import Counters, HitRates, cacheable_tokens, hit_split
 from kvkeep.bench.prompts import Queried
 from kvkeep.bench.result import to_json
 from kvkeep.bench.scenarios.capacity import CapacitySpec
-from kvkeep.bench.scenarios.restart import summarize
+from kvkeep.bench.scenarios.restart import Requeried, summarize
 from kvkeep.model import TinyModelSpec, llama_config
 
 
@@ -106,7 +106,9 @@ def test_restart_figures_take_the_worse_of_the_two_server_restarts() -> None:
         "after_server_sigterm": _phase(1.0, 0.07),
         "after_server_sigkill": _phase(0.98, 0.08),
     }
+    phases["after_engine_restart"] = Requeried(HitRates(1.0), 0.06, [0.06], 1024, 0.1, None, 0.04)
     flat = to_json(summarize(25.0, 27.0, phases))
+    assert flat["after_engine_restart_device_ttft_s"] == 0.04
     assert flat["after_server_restart_hit_rate"] == 0.98
     assert flat["after_engine_restart_ttft_s"] == 0.06
     assert flat["phases"]["after_server_sigkill"]["hit_rate"] == 0.98
