@@ -60,6 +60,20 @@ def test_a_release_sent_without_waiting_lets_go_of_the_pins(server: Server) -> N
     other.close()
 
 
+def test_a_release_not_waited_for_on_a_dead_connection_costs_no_backoff(server: Server) -> None:
+    """A RELEASE sent without waiting to a server that restarted since the ACQUIRE finds the
+    connection gone (the pins went with it); the next call reconnects at once."""
+    client = KVKeepClient(server.socket)
+    session = client.hello(NS, BLOCK)
+    ours = keys(4)
+    store(client, session, ours)
+    slots = client.acquire(session, ours)
+    server.kill()
+    server.start()
+    client.release(slots, wait=False)  # never raises
+    assert client.lookup(session, ours).num_present in range(5)
+
+
 def test_namespaces_never_alias(server: Server) -> None:
     client = KVKeepClient(server.socket)
     other_ns = Namespace("other-model", "float16", "LBNHC", "cuda", block_size=16)

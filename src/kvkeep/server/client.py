@@ -321,7 +321,10 @@ class KVKeepClient:
         return left
 
     def _send(self, request: p.RequestMessage) -> None:
-        """Send ``request`` on the open connection and leave its reply for the next call."""
+        """Send ``request`` on the open connection and leave its reply for the next call. For
+        requests whose purpose a closed connection fulfils (RELEASE: the server drops a
+        connection's pins): a connection found closed is dropped, nothing raised, and the
+        next call connects again at once (a restarted server is no reason to back off)."""
         op = request.OP
         with self._op():
             sock = self._sock
@@ -331,6 +334,9 @@ class KVKeepClient:
             try:
                 sock.settimeout(self._remaining())
                 sock.sendall(p.frame(p.request_body(self._next_id, op, request.encode())))
+            except ConnectionError:
+                self._disconnect()
+                return
             except (OSError, ValueError) as exc:
                 self._fail()
                 raise CacheUnavailable(f"{op.value} failed: {exc}") from exc
