@@ -92,6 +92,7 @@ def test_small_steps_are_stored_together(server: Server, monkeypatch: pytest.Mon
     """Steps of one block each, staged within the linger time, reach the server in one
     RESERVE/COMMIT pair, each block with its own bytes (drain ends the wait)."""
     monkeypatch.setattr(saver_module, "LINGER_S", 30.0)
+    monkeypatch.setattr(saver_module, "QUIET_S", 30.0)
     layout = engine()
     saver, counters = make_saver(server, layout, shape=staging_shape(1, 4096, 16 * 4096))
     calls: list[int] = []
@@ -127,6 +128,7 @@ def test_a_lingering_saver_is_not_woken_by_each_step(
     """While the saver lingers, a staged job does not wake it: on a CPU engine each wake-up
     took a core from the forward once a step. The jobs are all stored at the flush."""
     monkeypatch.setattr(saver_module, "LINGER_S", 30.0)
+    monkeypatch.setattr(saver_module, "QUIET_S", 30.0)
     layout = engine()
     saver, _ = make_saver(server, layout, shape=(32, 1))
     session = KVKeepClient.session(NS, layout.block_bytes)
@@ -152,6 +154,7 @@ def test_a_step_that_saves_nothing_stores_what_waits(
     """Jobs wait for more only while steps keep saving: a flush (a step with no saves, as
     when a prefill ends) sends them at once, long before the linger time."""
     monkeypatch.setattr(saver_module, "LINGER_S", 30.0)
+    monkeypatch.setattr(saver_module, "QUIET_S", 30.0)
     layout = engine()
     saver, _ = make_saver(server, layout, shape=(16, 1))
     session = KVKeepClient.session(NS, layout.block_bytes)
@@ -162,6 +165,29 @@ def test_a_step_that_saves_nothing_stores_what_waits(
     deadline = time.monotonic() + 10
     while stored(server, session, ks) != [block_bytes(layout, 4), block_bytes(layout, 9)]:
         assert time.monotonic() < deadline, "the flushed jobs were not stored"
+        time.sleep(0.05)
+    saver.shutdown()
+
+
+def test_saves_wait_while_steps_stage_and_go_once_they_stop(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stores are kept out of a running prefill: nothing reaches the server while steps keep
+    staging (each within QUIET_S of the last), and what waits is stored once they stop (the
+    engine went idle without a step that saves nothing), long before the linger time."""
+    monkeypatch.setattr(saver_module, "LINGER_S", 30.0)
+    monkeypatch.setattr(saver_module, "QUIET_S", 0.3)
+    layout = engine()
+    saver, _ = make_saver(server, layout, shape=(32, 1))
+    session = KVKeepClient.session(NS, layout.block_bytes)
+    ks = keys(10, 120)
+    for block_id, key in enumerate(ks):
+        assert saver.stage(session, [BlockTransfer(block_id, key)]) == 1
+        time.sleep(0.1)  # a step's forward: a second of steps, three times QUIET_S
+        assert stored(server, session, ks[:1]) == [], "stored while steps still staged"
+    stopped = time.monotonic()
+    while stored(server, session, ks) != [block_bytes(layout, b) for b in range(10)]:
+        assert time.monotonic() - stopped < 5, "not stored once the steps stopped"
         time.sleep(0.05)
     saver.shutdown()
 

@@ -9,17 +9,21 @@ into its slot, checksums the slot and COMMITs::
     step:        gather_blocks(ids) -> staging rows          (the only copy vLLM waits for)
     background:  RESERVE keys -> rows into slots -> checksum(slot) -> COMMIT -> free the rows
 
-The background thread stores several steps' jobs at once: it waits up to ``LINGER_S`` after
-a job for more (while enough buffers stay free for the steps, and until a step saves nothing:
-``flush``, as when prefills end), then sends one RESERVE and one COMMIT per session for all
-of them. With small steps (serve's CPU budget is two blocks) a
-RESERVE and COMMIT per step cost the cache server and this thread more CPU than the copies,
-and on a machine whose cores all run the engine that CPU is taken from the forward. Per
-8k-token cold prompt on 2 cores (64 blocks, 32 steps), a linger of 50 ms cost the cache
-server 5.6 ms of CPU answering and this thread 6.4 ms; 250 ms and up to 256 blocks a batch
-cost 2.7 and 3.5 ms. A save is therefore visible up to ``LINGER_S`` later than its step,
-within a prefill only: a step that saves nothing (a prefill ended) stores what waits, and
-``drain`` and ``shutdown`` store it at once.
+The background thread stores several steps' jobs at once, and not while a prefill runs: after
+a job it waits for more as long as steps keep staging (one within ``QUIET_S`` of the last),
+until a step saves nothing (``flush``, as when a prefill ends and decoding starts), for at
+most ``LINGER_S``, and while enough buffers stay free for the steps. Then it sends one
+RESERVE and one COMMIT per session for all of them. With small steps (serve's CPU budget is
+two blocks) a RESERVE and COMMIT per step cost the cache server and this thread more CPU than
+the copies, and on a machine whose cores all run the engine that CPU is taken from the
+forward. Per 8k-token cold prompt on 2 cores (64 blocks, 32 steps), a linger of 50 ms cost
+the cache server 5.6 ms of CPU answering and this thread 6.4 ms; 250 ms and up to 256 blocks
+a batch cost 2.7 and 3.5 ms. Even two or three stores in the middle of a prefill slowed its
+steps: engines with a 250 ms linger spent 733 ms per 8k cold prompt in the worker's steps
+against vLLM's 643 ms, and 685 ms when the stores waited for the prefill's end (clone of
+vLLM with a per-step log, three engines up together, 8 prompts each, alternating). A save
+is visible once the prefill that made it ends, or ``QUIET_S`` after the engine went idle,
+and at most ``LINGER_S`` after its step; ``drain`` and ``shutdown`` store it at once.
 
 Why staging, not slots leased ahead: a slot is reserved under its key, and the keys of a
 step's blocks are known only when its plan arrives; an RPC to get them would be on the step.
@@ -62,7 +66,8 @@ MAX_AUTO_STAGING_BYTES = 1 << 30  # pinned memory on CUDA: a bigger budget is as
 
 
 MIN_BUFFERS = 16  # jobs the saver may have in flight before a step's saves are skipped
-LINGER_S = 0.25  # how long the background thread waits for more jobs to store together
+LINGER_S = 2.0  # how long the background thread waits for more jobs to store together, at most
+QUIET_S = 0.1  # no step staged anything for this long: the engine went idle, store what waits
 MAX_BATCH_BLOCKS = 256  # blocks stored by one RESERVE/COMMIT pair, at most
 
 
@@ -118,6 +123,7 @@ class Saver:
             self._free.put(self.mover.host_buffer(self.rows_per_buffer, layout.block_bytes))
         self._jobs: queue.Queue[_Job | threading.Event | object | None] = queue.Queue()
         self._lingering = False  # a job was queued since the last flush
+        self._last_staged = 0.0  # time.monotonic() of the last staged job (no wake-up)
         self._wake = threading.Event()  # ends a linger early (``_gather``)
         self._thread = start_thread(self._loop, "kvkeep-save")
 
@@ -152,6 +158,7 @@ class Saver:
         except Exception:
             self._free.put(buffer)
             raise
+        self._last_staged = time.monotonic()
         self._jobs.put(_Job(session, tuple(k for k, _ in chunk), buffer, wait))
         self._lingering = True
         if self._free.qsize() <= self._buffers // 4:
@@ -192,20 +199,23 @@ class Saver:
                 control.set()
 
     def _gather(self, first: _Job) -> tuple[list[_Job], threading.Event | bool | None]:
-        """``first`` and the jobs that arrive within LINGER_S after it, while a quarter of
-        the buffers stay free and the batch holds at most MAX_BATCH_BLOCKS blocks; plus the
-        control item that ended it (a drain's Event, None for shutdown; True: no control).
+        """``first`` and the jobs that arrive after it while steps keep staging (each within
+        QUIET_S of the last), for at most LINGER_S, while a quarter of the buffers stay free
+        and the batch holds at most MAX_BATCH_BLOCKS blocks; plus the control item that ended
+        it (a drain's Event, None for shutdown; True: no control).
 
         While it lingers the thread sleeps on ``_wake``, which a staged job does not set: a
-        wake per step's job preempted the forward's threads once a step on a CPU engine. A
-        flush, a drain, a shutdown and staging past its high-water mark set it."""
+        wake per step's job preempted the forward's threads once a step on a CPU engine. It
+        wakes by itself once per QUIET_S to see whether steps still stage. A flush, a drain,
+        a shutdown and staging past its high-water mark set it."""
         batch, blocks = [first], len(first.keys)
         deadline = time.monotonic() + LINGER_S
         while blocks < MAX_BATCH_BLOCKS and self._free.qsize() > self._buffers // 4:
             try:
                 item = self._jobs.get_nowait()
             except queue.Empty:
-                remaining = deadline - time.monotonic()
+                now = time.monotonic()
+                remaining = min(deadline, self._last_staged + QUIET_S) - now
                 if remaining <= 0:
                     break
                 self._wake.wait(remaining)
