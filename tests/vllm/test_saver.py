@@ -88,6 +88,18 @@ def test_staged_blocks_arrive_under_their_keys_with_their_bytes(server: Server) 
     saver.shutdown()
 
 
+def lingering_saver(
+    server: Server, monkeypatch: pytest.MonkeyPatch, shape: tuple[int, int], quiet_s: float
+) -> tuple[Saver, KVLayout, Session]:
+    """A saver that lingers 30 s for more jobs, ``quiet_s`` after the last; its layout and a
+    session."""
+    monkeypatch.setattr(saver_module, "LINGER_S", 30.0)
+    monkeypatch.setattr(saver_module, "QUIET_S", quiet_s)
+    layout = engine()
+    saver, _ = make_saver(server, layout, shape=shape)
+    return saver, layout, KVKeepClient.session(NS, layout.block_bytes)
+
+
 def test_small_steps_are_stored_together(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
     """Steps of one block each, staged within the linger time, reach the server in one
     RESERVE/COMMIT pair, each block with its own bytes (drain ends the wait)."""
@@ -127,11 +139,7 @@ def test_a_lingering_saver_is_not_woken_by_each_step(
 ) -> None:
     """While the saver lingers, a staged job does not wake it: on a CPU engine each wake-up
     took a core from the forward once a step. The jobs are all stored at the flush."""
-    monkeypatch.setattr(saver_module, "LINGER_S", 30.0)
-    monkeypatch.setattr(saver_module, "QUIET_S", 30.0)
-    layout = engine()
-    saver, _ = make_saver(server, layout, shape=(32, 1))
-    session = KVKeepClient.session(NS, layout.block_bytes)
+    saver, layout, session = lingering_saver(server, monkeypatch, (32, 1), quiet_s=30.0)
     ks = keys(12, 80)
     ids = list(range(12))
     assert saver.stage(session, [BlockTransfer(ids[0], ks[0])]) == 1
@@ -153,11 +161,7 @@ def test_a_step_that_saves_nothing_stores_what_waits(
 ) -> None:
     """Jobs wait for more only while steps keep saving: a flush (a step with no saves, as
     when a prefill ends) sends them at once, long before the linger time."""
-    monkeypatch.setattr(saver_module, "LINGER_S", 30.0)
-    monkeypatch.setattr(saver_module, "QUIET_S", 30.0)
-    layout = engine()
-    saver, _ = make_saver(server, layout, shape=(16, 1))
-    session = KVKeepClient.session(NS, layout.block_bytes)
+    saver, layout, session = lingering_saver(server, monkeypatch, (16, 1), quiet_s=30.0)
     ks = keys(2, 40)
     for block_id, key in zip((4, 9), ks, strict=True):
         assert saver.stage(session, [BlockTransfer(block_id, key)]) == 1
@@ -175,11 +179,7 @@ def test_saves_wait_while_steps_stage_and_go_once_they_stop(
     """Stores are kept out of a running prefill: nothing reaches the server while steps keep
     staging (each within QUIET_S of the last), and what waits is stored once they stop (the
     engine went idle without a step that saves nothing), long before the linger time."""
-    monkeypatch.setattr(saver_module, "LINGER_S", 30.0)
-    monkeypatch.setattr(saver_module, "QUIET_S", 0.3)
-    layout = engine()
-    saver, _ = make_saver(server, layout, shape=(32, 1))
-    session = KVKeepClient.session(NS, layout.block_bytes)
+    saver, layout, session = lingering_saver(server, monkeypatch, (32, 1), quiet_s=0.3)
     ks = keys(10, 120)
     for block_id, key in enumerate(ks):
         assert saver.stage(session, [BlockTransfer(block_id, key)]) == 1
