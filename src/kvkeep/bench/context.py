@@ -111,7 +111,11 @@ def deployment(mode: str, cfg: LaunchConfig, needs: Needs, setup: Setup) -> Iter
         for i in range(needs.replicas if mode == "kvkeep" else 0):
             caches.append(stack.enter_context(CacheServer(setup.cache, store, f"replica{i}")))
         sockets: list[str | None] = [c.socket for c in caches] or [None] * needs.replicas
-        engines = [VLLMServer(replace(cfg, mode=mode, cache_socket=s)) for s in sockets]
+        # Replicas share the machine's cores: the engine-core binding (kvkeep.placement) is
+        # measured for one engine, and two CPU engines bound alike slowed one's prefills 4-9x.
+        bind = cfg.bind_scheduler and len(sockets) == 1
+        engines = [VLLMServer(replace(cfg, mode=mode, cache_socket=s, bind_scheduler=bind))
+                   for s in sockets]  # fmt: skip
         for engine in engines:
             stack.callback(engine.stop)
         if len(engines) == 1:
