@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import ast
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -14,7 +14,15 @@ from kvkeep.bench import cli
 from kvkeep.bench.context import Needs, RunContext, Setup
 from kvkeep.bench.deploy.vllm import LaunchConfig
 from kvkeep.bench.scenarios import hol
-from kvkeep.bench.suite import _key, by_scenario, launch_config, pool_tokens, run_modes
+from kvkeep.bench.suite import (
+    _key,
+    _shareable,
+    by_scenario,
+    launch_config,
+    pool_tokens,
+    run_modes,
+    turns,
+)
 
 BENCH = Path(__file__).resolve().parents[2] / "src" / "kvkeep" / "bench"
 
@@ -177,3 +185,26 @@ def test_a_hybrid_models_context_fits_its_pool_as_vllm_counts_it(
     assert pool_tokens(tiny_gemma3, 255, 2048) < 28160  # a bigger step holds more window
     base = LaunchConfig(model=tiny_gemma3, max_model_len=32768)
     assert launch_config(base, Needs(num_blocks=256), 0).max_model_len == 28160
+
+
+def test_modes_side_by_side_take_turns_per_scenario_and_alternate_who_goes_first() -> None:
+    """Each scenario in every mode that runs it before the next one; the modes' order reversed
+    from one scenario to the next, so a drift in the machine's speed falls on both alike."""
+    a, b, c = Fake("a"), Fake("b"), Fake("c", modes=("kvkeep",))
+    todo = {"none": [a, b], "vllm": [a, b], "kvkeep": [a, b, c]}
+    order = [(s.name, mode) for s, mode in turns([a, b, c], todo)]
+    assert order == [("a", "none"), ("a", "vllm"), ("a", "kvkeep"),
+                     ("b", "kvkeep"), ("b", "vllm"), ("b", "none"),
+                     ("c", "kvkeep")]  # fmt: skip
+
+
+def test_together_is_off_for_scenarios_that_start_no_engine_or_several(tmp_path: Path) -> None:
+    """Replicas already share the cores among themselves, and a scenario without an engine
+    has nothing to put side by side: both run one mode at a time even when asked."""
+    s = replace(setup(tmp_path), together=True)
+    a = Fake("a")
+    out = run_modes([a], ["none", "kvkeep"], s)
+    assert a.seen == ["none", "kvkeep"] and out["a"]["kvkeep"] == {"mode": "kvkeep"}
+    assert not _shareable(Needs(replicas=2), s) and not _shareable(Needs(engine=False), s)
+    assert _shareable(Needs(), s)
+    assert not _shareable(Needs(), replace(s, endpoint="http://127.0.0.1:9"))

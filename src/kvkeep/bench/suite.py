@@ -1,7 +1,8 @@
 """The one mode loop (`run_modes`), and `kvkeep bench all`: the study's six experiments and S7.
 
-`run_modes` runs the scenarios in each mode in turn, every one through `deployment`; scenarios
-whose `Needs` agree share one deployment, in the order given. `bench all` runs S1 (session),
+`run_modes` runs the scenarios in each mode, every one through `deployment`; scenarios whose
+`Needs` agree share one deployment per mode, in the order given, and with `Setup.together` the
+modes' deployments of a group are up at once and take turns. `bench all` runs S1 (session),
 S2 (TTFT), S6 (head-of-line), S3 (capacity), S5 (agents) and S4 (restart) on a device pool
 small enough that the capacity documents and the agents' working set exceed it, then S7 (real
 Claude Code sessions) on a pool of its own that their working set exceeds at least 3x.
@@ -10,6 +11,7 @@ Claude Code sessions) on a pool of its own that their working set exceeds at lea
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import sys
 from collections.abc import Sequence
@@ -22,6 +24,7 @@ from tqdm import tqdm
 from kvkeep.bench.context import RunContext, Setup, deployment
 from kvkeep.bench.deploy.vllm import MODES, LaunchConfig, LaunchError, VLLMServer
 from kvkeep.bench.metrics import kvkeep_profile
+from kvkeep.bench.quiet import wait_for_quiet
 from kvkeep.bench.result import to_json
 from kvkeep.bench.scenario import Needs, Scenario
 from kvkeep.bench.scenarios.agents import AgentsScenario
@@ -47,17 +50,39 @@ def run_modes(
 ) -> Results:
     """Every scenario in every mode; {scenario: {mode: result}}. With ``setup.endpoint`` the
     running server is measured once, under the mode name "endpoint". With ``profile``, each
-    result also holds ``profile``: the connector's seconds per phase during that scenario."""
+    result also holds ``profile``: the connector's seconds per phase during that scenario.
+
+    Scenarios whose needs agree share one deployment per mode. With ``setup.together`` the
+    modes' deployments of such a group are up at once and each scenario runs in every mode
+    before the next one starts (in the modes' order, then reversed for the next scenario), a
+    quiet machine awaited before each (`kvkeep.bench.quiet`): two modes' figures are then
+    measured seconds apart, where one mode after the other put minutes between them. Without
+    it each mode's deployment runs its scenarios alone."""
     out: Results = {s.name: {} for s in scenarios}
     same = itertools.groupby(scenarios, lambda s: _key(s.needs(), setup.base))
     groups = [list(g) for _, g in same]
     modes = ["endpoint"] if setup.endpoint else list(modes)
     with tqdm(total=len(scenarios) * len(modes), desc="bench", unit="scenario") as bar:
-        for i, mode in enumerate(modes):
-            what = MODES[mode].description if mode in MODES else "an endpoint already running"
-            tqdm.write(f"[{i + 1}/{len(modes)}] mode {mode}: {what}", file=sys.stderr)
-            for group in groups:
-                _run_group(group, mode, setup, out, bar, profile)
+        for group in groups:
+            todo = {mode: _todo(group, mode, setup, out) for mode in modes}
+            bar.update(sum(len(group) - len(t) for t in todo.values()))
+            todo = {mode: t for mode, t in todo.items() if t}
+            needs = group[0].needs()
+            cfg = launch_config(setup.base, needs, max(s.needs().tokens for s in group))
+            if setup.together and len(todo) > 1 and _shareable(needs, setup):
+                _run_together(group, todo, cfg, needs, setup, out, bar, profile)
+                continue
+            for mode, scenarios_ in todo.items():
+                _announce(mode, scenarios_)
+                try:
+                    with deployment(mode, cfg, scenarios_[0].needs(), setup) as ctx:
+                        for s in scenarios_:
+                            bar.set_postfix_str(f"{mode}: {s.name}")
+                            out[s.name][mode] = _run_one(s, ctx, profile)
+                            bar.update(1)
+                except (LaunchError, RuntimeError) as exc:
+                    for s in scenarios_:
+                        out[s.name].setdefault(mode, _failure(mode, s.name, exc))
     return out
 
 
@@ -66,10 +91,8 @@ def _key(needs: Needs, base: LaunchConfig) -> tuple[object, ...]:
     return (needs.engine, needs.replicas, needs.shared_store, launch_config(base, needs, 0))
 
 
-def _run_group(
-    group: list[Scenario], mode: str, setup: Setup, out: Results, bar: tqdm, profile: bool
-) -> None:
-    """One deployment for scenarios that share their needs, each run in turn on it."""
+def _todo(group: list[Scenario], mode: str, setup: Setup, out: Results) -> list[Scenario]:
+    """The group's scenarios that run in ``mode``; the others' results filed now."""
     todo = []
     for s in group:
         needs = s.needs()
@@ -79,21 +102,65 @@ def _run_group(
             out[s.name][mode] = _failure(mode, s.name, RuntimeError("it launches its own vLLM"))
         else:
             todo.append(s)
-    bar.update(len(group) - len(todo))
-    if not todo:
-        return
-    first = todo[0].needs()
-    cfg = launch_config(setup.base, first, max(s.needs().tokens for s in group))
-    bar.set_postfix_str(f"{mode}: starting")
-    try:
-        with deployment(mode, cfg, first, setup) as ctx:
-            for s in todo:
-                bar.set_postfix_str(f"{mode}: {s.name}")
-                out[s.name][mode] = _run_one(s, ctx, profile)
-                bar.update(1)
-    except (LaunchError, RuntimeError) as exc:
-        for s in todo:
-            out[s.name].setdefault(mode, _failure(mode, s.name, exc))
+    return todo
+
+
+def _shareable(needs: Needs, setup: Setup) -> bool:
+    """Whether the modes' deployments for ``needs`` may be up at once: one engine each, which
+    the bench launches (replicas already share the machine's cores among themselves)."""
+    return needs.engine and needs.replicas == 1 and not setup.endpoint
+
+
+def _announce(mode: str, scenarios: Sequence[Scenario]) -> None:
+    what = MODES[mode].description if mode in MODES else "an endpoint already running"
+    names = ", ".join(s.name for s in scenarios)
+    tqdm.write(f"mode {mode} ({what}): {names}", file=sys.stderr)
+
+
+def _run_together(
+    group: list[Scenario],
+    todo: dict[str, list[Scenario]],
+    cfg: LaunchConfig,
+    needs: Needs,
+    setup: Setup,
+    out: Results,
+    bar: tqdm,
+    profile: bool,
+) -> None:
+    """Every mode's deployment of one group up at once; each scenario in each mode in turn."""
+    with contextlib.ExitStack() as stack:
+        ctxs: dict[str, RunContext] = {}
+        for mode, scenarios_ in todo.items():
+            _announce(mode, scenarios_)
+            bar.set_postfix_str(f"{mode}: starting")
+            try:
+                ctxs[mode] = stack.enter_context(deployment(mode, cfg, needs, setup))
+            except (LaunchError, RuntimeError) as exc:
+                for s in scenarios_:
+                    out[s.name][mode] = _failure(mode, s.name, exc)
+                bar.update(len(scenarios_))
+        for s, mode in turns(group, {m: todo[m] for m in ctxs}):
+            bar.set_postfix_str(f"{mode}: {s.name} (waiting for a quiet machine)")
+            waited, quiet = wait_for_quiet()
+            if not quiet:
+                busy = f"kvkeep bench: the machine was still busy after {waited:.0f} s"
+                tqdm.write(f"{busy}; {s.name} in mode {mode} starts anyway", file=sys.stderr)
+            bar.set_postfix_str(f"{mode}: {s.name}")
+            out[s.name][mode] = _run_one(s, ctxs[mode], profile)
+            bar.update(1)
+
+
+def turns(group: Sequence[Scenario], todo: dict[str, list[Scenario]]) -> list[tuple[Scenario, str]]:
+    """The order of (scenario, mode) runs when a group's modes are up together: each scenario
+    in every mode that runs it before the next scenario, in ``todo``'s order of modes for the
+    first, reversed for the second, and so on (a drift of the machine's speed over a group
+    then falls on each mode alike). Pure."""
+    order = list(todo)
+    out: list[tuple[Scenario, str]] = []
+    for s in group:
+        out.extend((s, mode) for mode in order if s in todo[mode])
+        order.reverse()
+    return out
 
 
 def by_scenario(results: Results) -> Results:
