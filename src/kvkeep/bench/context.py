@@ -113,8 +113,10 @@ def deployment(mode: str, cfg: LaunchConfig, needs: Needs, setup: Setup) -> Iter
         for i in range(needs.replicas if mode == "kvkeep" else 0):
             caches.append(stack.enter_context(CacheServer(setup.cache, store, f"replica{i}")))
         sockets: list[str | None] = [c.socket for c in caches] or [None] * needs.replicas
-        # Replicas share the machine's cores: the engine-core binding (kvkeep.placement) is
-        # measured for one engine, and two CPU engines bound alike slowed one's prefills 4-9x.
+        # Replicas share the machine's cores and serve at once: the engine-core binding
+        # (kvkeep.placement) is measured for one engine at a time. Two engines bound alike
+        # slowed one's prefills 4-9x when their requests alternated 0.3 s apart: each engine
+        # polls for 1 s after its last step, on the core of the other's forward thread.
         bind = cfg.bind_scheduler and len(sockets) == 1
         engines = [VLLMServer(replace(cfg, mode=mode, cache_socket=s, bind_scheduler=bind))
                    for s in sockets]  # fmt: skip
