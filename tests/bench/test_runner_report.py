@@ -51,7 +51,7 @@ def _session(prompts: list[int], cached: list[int]) -> dict:
         TurnResult(0, i, p, c, p - c, 8, 0.1 * (i + 1), 0.2 * (i + 1), float(i))
         for i, (p, c) in enumerate(zip(prompts, cached, strict=True))
     ]
-    return to_json(summarize_session(rows, 3.0, {}))
+    return to_json(summarize_session(rows, {}))
 
 
 def test_session_summary_totals_and_ratio() -> None:
@@ -62,6 +62,7 @@ def test_session_summary_totals_and_ratio() -> None:
     assert s["max_turn_computed_tokens"] == 1104
     assert abs(s["reread_ratio"] - 6000 / 3184) < 1e-9
     assert [t["computed_tokens"] for t in s["turns"]] == [1000, 1104, 1080]
+    assert abs(s["session_s"] - (0.2 + 0.4 + 0.6)) < 1e-9  # the latencies, not any wall time
 
 
 def test_report_writes_tables_json_and_plots(tmp_path: Path) -> None:

@@ -3,8 +3,9 @@ run's deployment settings; and `deployment`, which builds the first from the oth
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -13,6 +14,7 @@ from kvkeep.bench.deploy import exit_on_sigterm
 from kvkeep.bench.deploy.cache import CacheServer, CacheSpec, shared_store
 from kvkeep.bench.deploy.vllm import LaunchConfig, VLLMServer
 from kvkeep.bench.metrics import Probe
+from kvkeep.bench.turns import Turnstile
 
 
 @dataclass(frozen=True)
@@ -25,7 +27,9 @@ class Needs:
     - ``own_engine``: it restarts or kills what it runs on, so `--endpoint` cannot serve it;
     - ``replicas`` vLLMs, each with its own cache server, on a ``shared_store`` if asked;
     - ``tokens``: the longest prompt plus output; ``num_blocks``,
-      ``max_num_batched_tokens`` and ``scheduling`` override the run's vLLM settings.
+      ``max_num_batched_tokens`` and ``scheduling`` override the run's vLLM settings;
+    - ``turns``: its run marks its units with ``ctx.turn()``/``ctx.aturn()``, so modes run
+      side by side take turns unit by unit; otherwise its whole run is one unit.
     """
 
     engine: bool = True
@@ -37,6 +41,7 @@ class Needs:
     num_blocks: int | None = None
     max_num_batched_tokens: int | None = None
     scheduling: str | None = None  # `LaunchConfig.scheduling`
+    turns: bool = False  # it marks its units with ctx.turn() (kvkeep.bench.turns)
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,26 @@ class RunContext:
     engines: list[VLLMServer] = field(default_factory=list)
     caches: list[CacheServer] = field(default_factory=list)
     endpoint: str | None = None
+    turnstile: Turnstile | None = None  # modes taking turns (kvkeep.bench.turns)
+
+    def turn(self) -> contextlib.AbstractContextManager[None]:
+        """One unit of the scenario: this mode's turn among the modes taking turns (a quiet
+        machine awaited first); nothing where the mode runs alone."""
+        if self.turnstile is None:
+            return contextlib.nullcontext()
+        return self.turnstile.turn(self.mode)
+
+    @contextlib.asynccontextmanager
+    async def aturn(self) -> AsyncIterator[None]:
+        """`turn` for a coroutine: the wait runs on a thread, not on the event loop."""
+        if self.turnstile is None:
+            yield
+            return
+        await asyncio.to_thread(self.turnstile.acquire, self.mode)
+        try:
+            yield
+        finally:
+            self.turnstile.release(self.mode)
 
     @property
     def url(self) -> str:

@@ -4,9 +4,11 @@ loop (`agent_loop`; `run_agents`, the replay and `bench soak` each run their ste
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -63,19 +65,22 @@ async def run_agents(
     sessions: Sequence[Sequence[Turn]],
     tool_delay_s: float = 0.0,
     progress: Callable[[TurnResult], None] | None = None,
+    unit: Callable[[], AbstractAsyncContextManager[None]] | None = None,
 ) -> list[TurnResult]:
     """Run every session closed-loop and concurrently, measuring each turn (computed tokens
     are prompt minus cached); results in completion order. With several URLs, turn ``t`` of
     agent ``a`` goes to replica ``(a + t) % N``: an agent's consecutive turns never share a
-    replica, the worst case for locality."""
+    replica, the worst case for locality. With ``unit`` (`RunContext.aturn`) each request is
+    one unit of a scenario whose modes take turns."""
     results: list[TurnResult] = []
     async with httpx.AsyncClient() as client:
         model = await discover_model(client, urls[0])
     t_run = time.perf_counter()
 
     async def step(client: httpx.AsyncClient, a: int, turn: Turn) -> None:
-        start = time.perf_counter() - t_run
-        s = await chat_turn(client, urls[(a + turn.index) % len(urls)], model, turn)
+        async with unit() if unit else contextlib.nullcontext():
+            start = time.perf_counter() - t_run
+            s = await chat_turn(client, urls[(a + turn.index) % len(urls)], model, turn)
         computed = s.prompt_tokens - s.cached_tokens
         row = TurnResult(a, turn.index, s.prompt_tokens, s.cached_tokens, computed,
                          s.output_tokens, s.ttft_s, s.latency_s, start)  # fmt: skip

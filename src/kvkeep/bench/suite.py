@@ -2,10 +2,11 @@
 
 `run_modes` runs the scenarios in each mode, every one through `deployment`; scenarios whose
 `Needs` agree share one deployment per mode, in the order given, and with `Setup.together` the
-modes' deployments of a group are up at once and take turns. `bench all` runs S1 (session),
-S2 (TTFT), S6 (head-of-line), S3 (capacity), S5 (agents) and S4 (restart) on a device pool
-small enough that the capacity documents and the agents' working set exceed it, then S7 (real
-Claude Code sessions) on a pool of its own that their working set exceeds at least 3x.
+modes' deployments of a group are up at once and take turns (`kvkeep.bench.turns`).
+`bench all` runs S1 (session), S2 (TTFT), S6 (head-of-line), S3 (capacity), S5 (agents) and
+S4 (restart) on a device pool small enough that the capacity documents and the agents'
+working set exceed it, then S7 (real Claude Code sessions) on a pool of its own that their
+working set exceeds at least 3x.
 `--quick` is the demo's size (about 10 minutes on 2 cores); the default size takes about 30.
 """
 
@@ -15,6 +16,7 @@ import contextlib
 import itertools
 import sys
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,6 @@ from tqdm import tqdm
 from kvkeep.bench.context import RunContext, Setup, deployment
 from kvkeep.bench.deploy.vllm import MODES, LaunchConfig, LaunchError, VLLMServer
 from kvkeep.bench.metrics import kvkeep_profile
-from kvkeep.bench.quiet import wait_for_quiet
 from kvkeep.bench.result import to_json
 from kvkeep.bench.scenario import Needs, Scenario
 from kvkeep.bench.scenarios.agents import AgentsScenario
@@ -35,6 +36,7 @@ from kvkeep.bench.scenarios.replay import ReplayScenario
 from kvkeep.bench.scenarios.restart import RestartScenario, RestartSpec
 from kvkeep.bench.scenarios.session import SessionScenario
 from kvkeep.bench.scenarios.ttft import TTFTScenario
+from kvkeep.bench.turns import Turnstile
 from kvkeep.plan.footprint import footprint_from_file
 from kvkeep.plan.pool import request_blocks
 from kvkeep.plan.replay import DEFAULT_TRACES, ENGINE_BLOCK_TOKENS, ReplaySpec
@@ -53,11 +55,10 @@ def run_modes(
     result also holds ``profile``: the connector's seconds per phase during that scenario.
 
     Scenarios whose needs agree share one deployment per mode. With ``setup.together`` the
-    modes' deployments of such a group are up at once and each scenario runs in every mode
-    before the next one starts (in the modes' order, then reversed for the next scenario), a
-    quiet machine awaited before each (`kvkeep.bench.quiet`): two modes' figures are then
-    measured seconds apart, where one mode after the other put minutes between them. Without
-    it each mode's deployment runs its scenarios alone."""
+    modes' deployments of such a group are up at once and each scenario runs in all its modes
+    at once, taking turns unit by unit after a quiet machine (`kvkeep.bench.turns`): the
+    modes' figures are then measured seconds apart, where one mode after the other put
+    minutes between them. Without it each mode's deployment runs its scenarios alone."""
     out: Results = {s.name: {} for s in scenarios}
     same = itertools.groupby(scenarios, lambda s: _key(s.needs(), setup.base))
     groups = [list(g) for _, g in same]
@@ -127,7 +128,8 @@ def _run_together(
     bar: tqdm,
     profile: bool,
 ) -> None:
-    """Every mode's deployment of one group up at once; each scenario in each mode in turn."""
+    """Every mode's deployment of one group up at once; each scenario run in its modes at
+    once, one thread each, taking turns unit by unit (`kvkeep.bench.turns`)."""
     with contextlib.ExitStack() as stack:
         ctxs: dict[str, RunContext] = {}
         for mode, scenarios_ in todo.items():
@@ -139,26 +141,40 @@ def _run_together(
                 for s in scenarios_:
                     out[s.name][mode] = _failure(mode, s.name, exc)
                 bar.update(len(scenarios_))
-        for s, mode in turns(group, {m: todo[m] for m in ctxs}):
-            bar.set_postfix_str(f"{mode}: {s.name} (waiting for a quiet machine)")
-            waited, quiet = wait_for_quiet()
-            if not quiet:
-                busy = f"kvkeep bench: the machine was still busy after {waited:.0f} s"
-                tqdm.write(f"{busy}; {s.name} in mode {mode} starts anyway", file=sys.stderr)
-            bar.set_postfix_str(f"{mode}: {s.name}")
-            out[s.name][mode] = _run_one(s, ctxs[mode], profile)
-            bar.update(1)
+        for s, modes in rotation(group, {m: todo[m] for m in ctxs}):
+            bar.set_postfix_str(f"{s.name}: {', '.join(modes)} taking turns")
+            stile = Turnstile(modes)
+            with ThreadPoolExecutor(len(modes)) as pool:
+                runs = {m: pool.submit(_take_turns, s, replace(ctxs[m], turnstile=stile), profile)
+                        for m in modes}  # fmt: skip
+                for mode, run in runs.items():
+                    out[s.name][mode] = run.result()
+                    bar.update(1)
 
 
-def turns(group: Sequence[Scenario], todo: dict[str, list[Scenario]]) -> list[tuple[Scenario, str]]:
-    """The order of (scenario, mode) runs when a group's modes are up together: each scenario
-    in every mode that runs it before the next scenario, in ``todo``'s order of modes for the
-    first, reversed for the second, and so on (a drift of the machine's speed over a group
-    then falls on each mode alike). Pure."""
+def _take_turns(s: Scenario, ctx: RunContext, profile: bool) -> dict[str, Any]:
+    """``s`` in ``ctx``'s mode, its units in turn with the other modes'; a scenario that marks
+    none is one unit."""
+    assert ctx.turnstile is not None
+    try:
+        with contextlib.nullcontext() if s.needs().turns else ctx.turn():
+            return _run_one(s, ctx, profile)
+    finally:
+        ctx.turnstile.leave(ctx.mode)
+
+
+def rotation(
+    group: Sequence[Scenario], todo: dict[str, list[Scenario]]
+) -> list[tuple[Scenario, list[str]]]:
+    """Per scenario of a group whose modes are up together, the modes that run it, in the
+    order they take turns: ``todo``'s order of modes for the first scenario, reversed for the
+    second, and so on, so that no mode always goes first. Pure."""
     order = list(todo)
-    out: list[tuple[Scenario, str]] = []
+    out: list[tuple[Scenario, list[str]]] = []
     for s in group:
-        out.extend((s, mode) for mode in order if s in todo[mode])
+        modes = [mode for mode in order if s in todo[mode]]
+        if modes:
+            out.append((s, modes))
         order.reverse()
     return out
 

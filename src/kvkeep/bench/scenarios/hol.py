@@ -69,12 +69,13 @@ class HOLScenario:
 
     def needs(self) -> Needs:
         if self.vllm_defaults:
-            return Needs(tokens=self.long_tokens + 64, modes=("vllm",), scheduling="vllm")
-        return Needs(tokens=self.long_tokens + 64, max_num_batched_tokens=self.budget)
+            return Needs(tokens=self.long_tokens + 64, modes=("vllm",), scheduling="vllm",
+                         turns=True)  # fmt: skip
+        return Needs(tokens=self.long_tokens + 64, max_num_batched_tokens=self.budget, turns=True)
 
     def run(self, ctx: RunContext) -> HOLResult:
         from_kvkeep = ctx.mode == "kvkeep"
-        times = asyncio.run(self._run(ctx.url, from_kvkeep))
+        times = asyncio.run(self._run(ctx, from_kvkeep))
         med = {k: statistics.median(s.ttft_s for s in v) for k, v in times.items()}
         budget, threshold = _scheduling(ctx)
         return HOLResult(
@@ -95,28 +96,34 @@ class HOLScenario:
     def _ids(self, n: int, salt: object) -> list[int]:
         return random_ids(n, f"hol:{self.seed}:{salt}")
 
-    async def _run(self, url: str, from_kvkeep: bool) -> dict[str, list[StreamStats]]:
-        """Every timed request, by kind: short alone and beside, long alone and beside."""
+    async def _run(self, ctx: RunContext, from_kvkeep: bool) -> dict[str, list[StreamStats]]:
+        """Every timed request, by kind: short alone and beside, long alone and beside; each
+        try is one unit where modes take turns."""
+        url = ctx.url
         short = self._ids(self.short_tokens, "short")
         out: dict[str, list[StreamStats]] = {"alone": [], "beside": [], "long": [], "both": []}
         async with httpx.AsyncClient() as client:
             model = await discover_model(client, url)
-            await complete_ids(client, url, model, short)  # cache it
+            async with ctx.aturn():
+                await complete_ids(client, url, model, short)  # cache it
             for _ in range(REPEATS):
-                if from_kvkeep:  # from kvkeep's server, not vLLM's device cache
-                    await asyncio.to_thread(reset_device_cache, url)
-                out["alone"].append(await complete_ids(client, url, model, short))
+                async with ctx.aturn():
+                    if from_kvkeep:  # from kvkeep's server, not vLLM's device cache
+                        await asyncio.to_thread(reset_device_cache, url)
+                    out["alone"].append(await complete_ids(client, url, model, short))
             for i in range(REPEATS):
                 cold = self._ids(self.long_tokens, f"alone:{i}:{time.time_ns()}")
-                out["long"].append(await complete_ids(client, url, model, cold))
+                async with ctx.aturn():
+                    out["long"].append(await complete_ids(client, url, model, cold))
             for i in range(REPEATS):
-                if from_kvkeep:
-                    await asyncio.to_thread(reset_device_cache, url)
                 cold = self._ids(self.long_tokens, f"long:{i}:{time.time_ns()}")
-                big = asyncio.create_task(complete_ids(client, url, model, cold))
-                await asyncio.sleep(self.head_start_s)
-                out["beside"].append(await complete_ids(client, url, model, short))
-                out["both"].append(await big)
+                async with ctx.aturn():
+                    if from_kvkeep:
+                        await asyncio.to_thread(reset_device_cache, url)
+                    big = asyncio.create_task(complete_ids(client, url, model, cold))
+                    await asyncio.sleep(self.head_start_s)
+                    out["beside"].append(await complete_ids(client, url, model, short))
+                    out["both"].append(await big)
         return out
 
 

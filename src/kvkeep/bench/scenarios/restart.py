@@ -112,19 +112,26 @@ class RestartScenario:
 
     def needs(self) -> Needs:
         return Needs(tokens=self.spec.tokens, modes=("vllm", "kvkeep"), own_engine=True,
-                     num_blocks=self.spec.pool_blocks)  # fmt: skip
+                     num_blocks=self.spec.pool_blocks, turns=True)  # fmt: skip
 
     def run(self, ctx: RunContext) -> RestartResult:
-        """The whole sequence on the context's engine (and cache server), restarting both."""
+        """The whole sequence on the context's engine (and cache server), restarting both;
+        each pass and each restart is one unit where modes take turns."""
         docs = self.spec.documents("restart")
-        phases = {"warmup": self._query(ctx, docs), "warm": self._query(ctx, docs)}
+        phases: dict[str, Queried] = {}
+        for phase in ("warmup", "warm"):
+            with ctx.turn():
+                phases[phase] = self._query(ctx, docs)
         first_ready_s = ctx.engine.ready_s
-        restart_ready_s = ctx.engine.restart()
-        phases["after_engine_restart"] = self._after_restart(ctx, docs, warm_up=len(docs))
+        with ctx.turn():
+            restart_ready_s = ctx.engine.restart()
+        with ctx.turn():
+            phases["after_engine_restart"] = self._after_restart(ctx, docs, warm_up=len(docs))
         for how in SERVER_RESTARTS if ctx.caches else ():
-            ctx.cache.restart(how)
-            reset_device_cache(ctx.url)
-            phases[f"after_server_{how}"] = self._after_restart(ctx, docs)
+            with ctx.turn():
+                ctx.cache.restart(how)
+                reset_device_cache(ctx.url)
+                phases[f"after_server_{how}"] = self._after_restart(ctx, docs)
         return summarize(first_ready_s, restart_ready_s, phases)
 
     def _query(self, ctx: RunContext, docs: list[list[int]]) -> Queried:

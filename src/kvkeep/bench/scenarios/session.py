@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,16 +33,17 @@ class SessionScenario:
     name: str = "session"
 
     def needs(self) -> Needs:
-        return Needs(tokens=session_tokens(self.spec))
+        return Needs(tokens=session_tokens(self.spec), turns=True)
 
     def run(self, ctx: RunContext) -> SessionResult:
+        """The turns back to back; each turn is a unit where modes take turns."""
         turns = SessionGenerator(self.spec, self.counter).turns()
         before = vllm_counters(ctx.url)
-        t0 = time.perf_counter()
-        with tqdm(total=len(turns), desc="  session turns", unit="turn", leave=False) as bar:
-            results = asyncio.run(run_agents([ctx.url], [turns], progress=lambda _: bar.update()))
-        wall = time.perf_counter() - t0
-        return summarize_session(results, wall, metrics_delta(before, vllm_counters(ctx.url)))
+        with tqdm(total=len(turns), desc=f"  session turns ({ctx.mode})", unit="turn",
+                  leave=False) as bar:  # fmt: skip
+            results = asyncio.run(run_agents([ctx.url], [turns], progress=lambda _: bar.update(),
+                                             unit=ctx.aturn))  # fmt: skip
+        return summarize_session(results, metrics_delta(before, vllm_counters(ctx.url)))
 
 
 @dataclass(frozen=True)
@@ -60,13 +60,11 @@ class SessionResult:
     reread_ratio: float | None
     ttft_mean_s: float
     last_turn_ttft_s: float
-    session_s: float
+    session_s: float  # its turns' latencies summed: the session with no time between turns
     vllm_metrics: dict[str, float]
 
 
-def summarize_session(
-    results: Sequence[TurnResult], wall_s: float, metrics: dict[str, float]
-) -> SessionResult:
+def summarize_session(results: Sequence[TurnResult], metrics: dict[str, float]) -> SessionResult:
     rows = sorted(results, key=lambda r: (r.agent, r.turn))
     prompt = sum(r.prompt_tokens for r in rows)
     computed = sum(r.computed_tokens for r in rows)
@@ -75,7 +73,7 @@ def summarize_session(
         turns, prompt, prompt - computed, computed, rows[-1].prompt_tokens,
         rows[-1].computed_tokens, max(r.computed_tokens for r in rows),
         prompt / computed if computed else None, statistics.fmean(r.ttft_s for r in rows),
-        rows[-1].ttft_s, wall_s, metrics,
+        rows[-1].ttft_s, sum(r.latency_s for r in rows), metrics,
     )  # fmt: skip
 
 

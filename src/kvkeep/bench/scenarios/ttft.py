@@ -14,7 +14,7 @@ import asyncio
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -25,7 +25,7 @@ from kvkeep.bench.context import RunContext
 from kvkeep.bench.metrics import kvkeep_tokens
 from kvkeep.bench.result import FLAT
 from kvkeep.bench.scenario import Needs, parse_sizes
-from kvkeep.endpoint import complete_ids, discover_model
+from kvkeep.endpoint import StreamStats, complete_ids, discover_model
 from kvkeep.workload import random_ids
 
 DEFAULT_SIZES = (4096, 16384)
@@ -69,7 +69,7 @@ class TTFTScenario:
     name: str = "ttft"
 
     def needs(self) -> Needs:
-        return Needs(tokens=max(self.sizes) + 64, own_engine=self.restart)
+        return Needs(tokens=max(self.sizes) + 64, own_engine=self.restart, turns=True)
 
     def run(self, ctx: RunContext) -> TTFTResult:
         return asyncio.run(self._run(ctx))
@@ -85,28 +85,35 @@ class TTFTScenario:
         canary = random_ids(4 * 128 + 16, f"ttft-canary:{run}")
         async with httpx.AsyncClient() as client:
             model = await discover_model(client, ctx.url)
-            await complete_ids(client, ctx.url, model, canary)
-            await complete_ids(client, ctx.url, model, canary)
+
+            async def send(ids: list[int]) -> StreamStats:  # one unit where modes take turns
+                async with ctx.aturn():
+                    return await complete_ids(client, ctx.url, model, ids)
+
+            await send(canary)
+            await send(canary)
             out: dict[str, SizeTTFT] = {}
-            for size in tqdm(self.sizes, desc="  ttft sizes", leave=False):
-                out[str(size)] = await _cold_warm(client, ctx.url, model, prompts[size])
+            for size in tqdm(self.sizes, desc=f"  ttft sizes ({ctx.mode})", leave=False):
+                out[str(size)] = await _cold_warm(send, prompts[size])
             if not self.restart:
                 return TTFTResult(out)
-            ready = ctx.engine.restart()
+            async with ctx.aturn():
+                ready = ctx.engine.restart()
             print(f"  vLLM restarted, ready {ready:.1f} s after the stop began", file=sys.stderr)
-            await complete_ids(client, ctx.url, model, canary)  # loaded from kvkeep, if any
+            await send(canary)  # loaded from kvkeep, if any
             for size, ids in prompts.items():
-                after = await _after_restart(client, ctx.url, model, ids[-1], ready)
+                async with ctx.aturn():
+                    after = await _after_restart(client, ctx.url, model, ids[-1], ready)
                 out[str(size)] = replace(out[str(size)], after=after)
         return TTFTResult(out)
 
 
 async def _cold_warm(
-    client: httpx.AsyncClient, url: str, model: str, prompts: list[list[int]]
+    send: Callable[[list[int]], Awaitable[StreamStats]], prompts: list[list[int]]
 ) -> SizeTTFT:
-    """Each of ``prompts`` cold, then the last one warm."""
-    colds = [await complete_ids(client, url, model, ids) for ids in prompts]
-    warms = [await complete_ids(client, url, model, prompts[-1]) for _ in range(WARM_SENDS)]
+    """Each of ``prompts`` cold, then the last one warm, each through ``send``."""
+    colds = [await send(ids) for ids in prompts]
+    warms = [await send(prompts[-1]) for _ in range(WARM_SENDS)]
     cold_s = statistics.median(c.ttft_s for c in colds)
     warm_s = statistics.median(w.ttft_s for w in warms)
     return SizeTTFT(cold_s, warm_s, [c.ttft_s for c in colds], [w.ttft_s for w in warms],

@@ -1,0 +1,96 @@
+"""Modes that take turns: one scenario run in several modes at once, unit by unit.
+
+With the modes' engines up together (`suite.run_modes`, ``Setup.together``), each mode runs
+the scenario on a thread of its own, and a `Turnstile` lets one of them through at a time,
+in a fixed rotation, after a quiet machine (`kvkeep.bench.quiet`). A scenario marks its
+units (a session's turn, one timed request, one trial) with ``ctx.turn()`` or
+``ctx.aturn()`` and says so in its needs (``Needs.turns``); one that does not is a single
+unit. Modes then measure their first units, then their second ones, and so on, seconds
+apart, so a machine whose speed drifts over tens of seconds drifts for every mode alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+
+from kvkeep.bench.quiet import wait_for_quiet
+
+
+def settle() -> None:
+    """Wait for a quiet machine; say so where it did not get quiet."""
+    waited, quiet = wait_for_quiet()
+    if not quiet:
+        print(f"kvkeep bench: the machine was still busy after {waited:.0f} s; going on",
+              file=sys.stderr)  # fmt: skip
+
+
+class Turnstile:
+    """One member at a time, in the rotation given; a member that leaves drops out of it.
+
+    ``acquire`` waits for the member's turn, then for ``settle``; it is re-entrant for the
+    member that holds the turn. ``release`` passes the turn to the next member. A member that
+    has left (it finished, or failed) is let through at once, alone: it is not in the
+    rotation any more."""
+
+    def __init__(self, members: Sequence[str], settle: Callable[[], None] = settle) -> None:
+        self._order = list(members)
+        self._next = 0
+        self._holder: str | None = None
+        self._depth = 0
+        self._settle = settle
+        self._cond = threading.Condition()
+
+    @property
+    def members(self) -> list[str]:
+        with self._cond:
+            return list(self._order)
+
+    def acquire(self, member: str) -> None:
+        with self._cond:
+            if self._holder == member:
+                self._depth += 1
+                return
+            while member in self._order and (
+                self._holder is not None or self._order[self._next] != member
+            ):
+                self._cond.wait()
+            if member not in self._order:
+                return
+            self._holder, self._depth = member, 1
+        self._settle()
+
+    def release(self, member: str) -> None:
+        with self._cond:
+            if self._holder != member:
+                return
+            self._depth -= 1
+            if self._depth:
+                return
+            self._holder = None
+            self._next = (self._order.index(member) + 1) % len(self._order)
+            self._cond.notify_all()
+
+    def leave(self, member: str) -> None:
+        with self._cond:
+            if member not in self._order:
+                return
+            i = self._order.index(member)
+            self._order.remove(member)
+            if self._holder == member:
+                self._holder, self._depth = None, 0
+            if self._order:
+                if self._next > i:
+                    self._next -= 1
+                self._next %= len(self._order)
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def turn(self, member: str) -> Iterator[None]:
+        self.acquire(member)
+        try:
+            yield
+        finally:
+            self.release(member)
