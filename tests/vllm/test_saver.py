@@ -17,7 +17,7 @@ from kvkeep.keys import BlockKey, Namespace, chain_keys
 from kvkeep.server.client import KVKeepClient, Session, SlotRef
 from kvkeep.vllm import saver as saver_module
 from kvkeep.vllm.layout import KVLayout, LayoutDescription
-from kvkeep.vllm.saver import Saver, staging_shape
+from kvkeep.vllm.saver import Saver, _Ring, staging_shape
 from kvkeep.vllm.scheduling import BlockTransfer, Counters
 from serverproc import Server
 
@@ -125,6 +125,52 @@ def test_small_steps_are_stored_together(server: Server, monkeypatch: pytest.Mon
     assert calls == [6]
     assert counters.values["saved_tokens"] == 6 * N
     saver.shutdown()
+
+
+def test_small_steps_take_only_the_rows_they_fill(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Staging for 4 jobs of 8 blocks holds 16 jobs of 2 blocks: ten such steps (a prefill at
+    serve's CPU budget) all stage, none is skipped, and nothing is stored until they stop (a
+    buffer per job ran low after 3 and stored in the middle of the prefill)."""
+    saver, layout, session = lingering_saver(server, monkeypatch, (4, 8), quiet_s=30.0)
+    calls: list[int] = []
+    reserve = saver.client.reserve
+
+    def counted(session_: Session, ks_: Sequence[BlockKey]) -> list[SlotRef]:
+        calls.append(len(ks_))
+        return reserve(session_, ks_)
+
+    saver.client.reserve = counted  # type: ignore[method-assign]
+    ks = keys(20, 200)
+    ids = [i % B for i in range(20)]
+    for step in range(10):
+        pair = [BlockTransfer(ids[2 * step + j], ks[2 * step + j]) for j in (0, 1)]
+        assert saver.stage(session, pair) == 2
+        time.sleep(0.02)  # a step's forward
+    time.sleep(0.2)
+    assert calls == [], "stored while steps still staged"
+    saver.flush()
+    assert saver.drain(10)
+    assert calls == [20]
+    assert stored(server, session, ks) == [block_bytes(layout, b) for b in ids]
+    saver.shutdown()
+
+
+def test_the_staging_ring_hands_out_rows_in_order_and_wraps() -> None:
+    ring = _Ring(10)
+    a, b = ring.take(4), ring.take(4)
+    assert a is not None and b is not None and (a[0], b[0]) == (0, 4)
+    assert ring.take(3) is None  # 2 rows left at the end, and row 0 is taken
+    ring.give_back(a[1])  # rows 0-3 free again
+    c = ring.take(3)  # skips rows 8-9 and starts at 0
+    assert c is not None and c[0] == 0 and ring.free() == 10 - 4 - 2 - 3
+    ring.untake(c[1])  # a gather that failed gives its rows back at once, skipped ones too
+    assert ring.free() == 10 - 4
+    ring.give_back(b[1])
+    assert ring.free() == 10
+    d = ring.take(8)  # 8 rows from row 8 would cross the end: from row 0
+    assert d is not None and d[0] == 0 and ring.take(1) is None
 
 
 def wakeups(thread_id: int) -> int:

@@ -31,7 +31,7 @@ The price is one memcpy per saved byte, off the step.
 
 Safety: a slot is only ever committed with the checksum of its own bytes, copied from the
 row that was gathered for its key; a failed RESERVE, copy or COMMIT releases the slots and
-counts a save failure (nothing is published). Staging memory is bounded: when every buffer is
+counts a save failure (nothing is published). Staging memory is bounded: when all its rows are
 in flight the step's saves are skipped and counted (``saves_skipped_busy``), never waited for.
 A dead cache server costs only saves. ``shutdown`` drains what is queued (bounded by the
 client's timeout per RPC); reservations left behind die with the connection, which the server
@@ -72,11 +72,10 @@ MAX_BATCH_BLOCKS = 256  # blocks stored by one RESERVE/COMMIT pair, at most
 
 
 def staging_shape(step_blocks: int, block_bytes: int, staging_bytes: int | None) -> tuple[int, int]:
-    """(buffers, rows per buffer) of the staging memory: at least MIN_BUFFERS buffers, each
-    up to one step's blocks. A buffer holds one step's job however few blocks it has, so with
-    small steps (a low token budget) few buffers would drop saves while the saver catches up.
-    ``staging_bytes`` None: two full steps, within
-    [64 MiB, 1 GiB]."""
+    """(jobs, rows per job) of the staging memory: room for at least MIN_BUFFERS jobs of up
+    to one step's blocks each (a step with more is staged as several jobs); the staging holds
+    jobs x rows rows, and a job takes only the rows it fills (`_Ring`), so small steps fit
+    many more jobs. ``staging_bytes`` None: two full steps, within [64 MiB, 1 GiB]."""
     if staging_bytes is None:
         two_steps = 2 * step_blocks * block_bytes
         staging_bytes = max(MIN_STAGING_BYTES, min(MAX_AUTO_STAGING_BYTES, two_steps))
@@ -87,8 +86,47 @@ def staging_shape(step_blocks: int, block_bytes: int, staging_bytes: int | None)
 class _Job(NamedTuple):
     session: Session
     keys: tuple[BlockKey, ...]  # row j of ``buffer`` holds keys[j]'s bytes
-    buffer: torch.Tensor
+    buffer: torch.Tensor  # its rows of the staging memory
     wait: Wait
+    end: int  # `_Ring.take`'s mark: giving it back frees these rows and every earlier job's
+
+
+class _Ring:
+    """Rows of the staging memory, taken in order and given back in the same order: a job
+    takes the next run of rows it fills, never more. Where a run would cross the end, the
+    rows left before it are skipped and it starts again at row 0. Thread-safe: the step takes,
+    the background thread gives back."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+        self._head = self._tail = 0  # rows ever taken (skipped ones too), ever given back
+        self._before = 0  # the head before the last take
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> tuple[int, int] | None:
+        """(first row, mark) of ``n`` contiguous rows; None if they are not free now."""
+        with self._lock:
+            at = self._head % self.rows
+            skip = self.rows - at if at + n > self.rows else 0
+            if n > self.rows or self._head + skip + n - self._tail > self.rows:
+                return None
+            self._before, self._head = self._head, self._head + skip + n
+            return (0 if skip else at), self._head
+
+    def untake(self, mark: int) -> None:
+        """Undo the last take (the one that returned ``mark``), skipped rows included."""
+        with self._lock:
+            if self._head == mark:
+                self._head = self._before
+
+    def give_back(self, mark: int) -> None:
+        """The rows of the job ``take`` returned ``mark`` for, and those of every earlier job."""
+        with self._lock:
+            self._tail = max(self._tail, mark)
+
+    def free(self) -> int:
+        with self._lock:
+            return self.rows - (self._head - self._tail)
 
 
 _FLUSH = object()  # in the job queue: store the jobs gathered so far without waiting
@@ -113,14 +151,13 @@ class Saver:
         shape: tuple[int, int],
         mover: Mover | None = None,
     ) -> None:
-        """``shape``: (buffers, rows per buffer) of the staging memory (``staging_shape``)."""
+        """``shape``: (jobs, rows per job) of the staging memory (``staging_shape``)."""
         self.client, self.layout = client, layout
         self._count, self._timed = count, timed
         self.mover = mover or Mover()
-        self._buffers, self.rows_per_buffer = shape
-        self._free: queue.Queue[torch.Tensor] = queue.Queue()
-        for _ in range(self._buffers):
-            self._free.put(self.mover.host_buffer(self.rows_per_buffer, layout.block_bytes))
+        jobs, self.rows_per_buffer = shape
+        self._staging = self.mover.host_buffer(jobs * self.rows_per_buffer, layout.block_bytes)
+        self._ring = _Ring(jobs * self.rows_per_buffer)
         self._jobs: queue.Queue[_Job | threading.Event | object | None] = queue.Queue()
         self._lingering = False  # a job was queued since the last flush
         self._last_staged = 0.0  # time.monotonic() of the last staged job (no wake-up)
@@ -146,24 +183,28 @@ class Saver:
         return staged
 
     def _stage_chunk(self, session: Session, chunk: list[tuple[BlockKey, int]]) -> bool:
-        try:
-            buffer = self._free.get_nowait()
-        except queue.Empty:
+        taken = self._ring.take(len(chunk))
+        if taken is None:
             return False
-        rows = buffer[: len(chunk)]
+        first, mark = taken
+        rows = self._staging[first : first + len(chunk)]
         ids = torch.tensor([block_id for _, block_id in chunk], dtype=torch.int64)
         try:
             with self._timed("copy_out_s"):
                 wait = self.mover.gather(self.layout, ids.to(self.layout.device), rows)
         except Exception:
-            self._free.put(buffer)
+            self._ring.untake(mark)
             raise
         self._last_staged = time.monotonic()
-        self._jobs.put(_Job(session, tuple(k for k, _ in chunk), buffer, wait))
+        self._jobs.put(_Job(session, tuple(k for k, _ in chunk), rows, wait, mark))
         self._lingering = True
-        if self._free.qsize() <= self._buffers // 4:
+        if self._low():
             self._wake.set()  # staging runs low: store now rather than at the linger's end
         return True
+
+    def _low(self) -> bool:
+        """A quarter of the staging rows or less is free."""
+        return self._ring.free() <= self._ring.rows // 4
 
     def flush(self) -> None:
         """A step saved nothing: store what waits for more jobs now. Cheap when nothing does."""
@@ -190,8 +231,7 @@ class Saver:
                 for session in dict.fromkeys(j.session for j in batch):
                     self._store([j for j in batch if j.session is session])
             finally:
-                for j in batch:
-                    self._free.put(j.buffer)
+                self._ring.give_back(max(j.end for j in batch))
                 self._count("saver_cpu_s", time.thread_time() - cpu)
             if control is None:
                 return
@@ -200,7 +240,7 @@ class Saver:
 
     def _gather(self, first: _Job) -> tuple[list[_Job], threading.Event | bool | None]:
         """``first`` and the jobs that arrive after it while steps keep staging (each within
-        QUIET_S of the last), for at most LINGER_S, while a quarter of the buffers stay free
+        QUIET_S of the last), for at most LINGER_S, while a quarter of the rows stay free
         and the batch holds at most MAX_BATCH_BLOCKS blocks; plus the control item that ended
         it (a drain's Event, None for shutdown; True: no control).
 
@@ -210,7 +250,7 @@ class Saver:
         a shutdown and staging past its high-water mark set it."""
         batch, blocks = [first], len(first.keys)
         deadline = time.monotonic() + LINGER_S
-        while blocks < MAX_BATCH_BLOCKS and self._free.qsize() > self._buffers // 4:
+        while blocks < MAX_BATCH_BLOCKS and not self._low():
             try:
                 item = self._jobs.get_nowait()
             except queue.Empty:
