@@ -107,12 +107,14 @@ def test_restart_figures_take_the_worse_of_the_two_server_restarts() -> None:
         "after_server_sigkill": _phase(0.98, 0.08),
     }
     phases["after_engine_restart"] = Requeried(HitRates(1.0), 0.06, [0.06], 1024, 0.1, None, 0.04)
-    flat = to_json(summarize(25.0, 27.0, phases))
+    flat = to_json(summarize(25.0, [27.0, 31.0, 26.0], phases))
+    assert flat["restart_ready_s"] == 27.0  # the median restart
+    assert flat["restart_ready_samples_s"] == [27.0, 31.0, 26.0]
     assert flat["after_engine_restart_device_ttft_s"] == 0.04
     assert flat["after_server_restart_hit_rate"] == 0.98
     assert flat["after_engine_restart_ttft_s"] == 0.06
     assert flat["phases"]["after_server_sigkill"]["hit_rate"] == 0.98
-    no_cache = summarize(25.0, 27.0, {k: v for k, v in phases.items() if "server" not in k})
+    no_cache = summarize(25.0, [27.0], {k: v for k, v in phases.items() if "server" not in k})
     assert no_cache.after_server_restart_hit_rate is None
 
 

@@ -17,8 +17,10 @@ and a fresh vLLM, serves them again: every hit it gets comes from the remote tie
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvkeep.bench.context import RunContext
@@ -34,6 +36,9 @@ class RestartSpec:
     docs: int = 4  # after a restart the first takes the one-time costs; the rest are timed
     doc_tokens: int = 8192
     block_size: int = 128
+    # vLLM restarts, back to back (``restart_ready_s`` is their median): a start takes ~20 s
+    # on 2 cores, and one start against another moved by +-2 s either way
+    restarts: int = 3
     # a device pool of its own that holds every document (None: the run's), so that the warm
     # pass is all device hits however many documents are timed
     pool_blocks: int | None = None
@@ -44,6 +49,8 @@ class RestartSpec:
             raise ValueError("--docs must be at least 2: one takes a restart's first-request cost")
         if self.doc_tokens < 2 * self.block_size:
             raise ValueError(f"--doc-tokens must be at least {2 * self.block_size}")
+        if self.restarts < 1:
+            raise ValueError("--restarts must be at least 1")
 
     @property
     def tokens(self) -> int:
@@ -73,7 +80,7 @@ class RestartResult:
 
     cold_ttft_s: float | None
     warm_ttft_s: float | None
-    restart_ready_s: float
+    restart_ready_s: float  # the median of the restarts'
     first_ready_s: float | None
     after_engine_restart_hit_rate: float | None
     after_engine_restart_ttft_s: float | None
@@ -84,21 +91,24 @@ class RestartResult:
     after_server_sigkill_ttft_s: float | None
     after_server_restart_hit_rate: float | None  # the worse of SIGTERM and SIGKILL
     phases: dict[str, Queried]
+    restart_ready_samples_s: list[float] = field(default_factory=list)
 
 
-def summarize(first_ready_s: float | None, restart_ready_s: float,
+def summarize(first_ready_s: float | None, restart_ready_s: Sequence[float],
               phases: dict[str, Queried]) -> RestartResult:  # fmt: skip
     def get(phase: str, figure: str) -> float | None:
         return getattr(phases[phase], figure, None) if phase in phases else None
 
     hits = [get(f"after_server_{how}", "hit_rate") for how in SERVER_RESTARTS]
     return RestartResult(
-        get("warmup", "ttft_s"), get("warm", "ttft_s"), restart_ready_s, first_ready_s,
+        get("warmup", "ttft_s"), get("warm", "ttft_s"), statistics.median(restart_ready_s),
+        first_ready_s,
         get("after_engine_restart", "hit_rate"), get("after_engine_restart", "ttft_s"),
         get("after_engine_restart", "device_ttft_s"),
         hits[0], get("after_server_sigterm", "ttft_s"),
         hits[1], get("after_server_sigkill", "ttft_s"),
         None if None in hits else min(h for h in hits if h is not None), phases,
+        list(restart_ready_s),
     )  # fmt: skip
 
 
@@ -123,8 +133,10 @@ class RestartScenario:
             with ctx.turn():
                 phases[phase] = self._query(ctx, docs)
         first_ready_s = ctx.engine.ready_s
-        with ctx.turn():
-            restart_ready_s = ctx.engine.restart()
+        restart_ready_s = []
+        for _ in range(self.spec.restarts):
+            with ctx.turn():
+                restart_ready_s.append(ctx.engine.restart())
         with ctx.turn():
             phases["after_engine_restart"] = self._after_restart(ctx, docs, warm_up=len(docs))
         for how in SERVER_RESTARTS if ctx.caches else ():
@@ -222,6 +234,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     d = RestartSpec()
     p.add_argument("--docs", type=int, default=d.docs)
     p.add_argument("--doc-tokens", type=int, default=d.doc_tokens)
+    p.add_argument("--restarts", type=int, default=d.restarts,
+                   help="vLLM restarts; restart_ready_s is their median")  # fmt: skip
     p.add_argument("--remote", nargs="?", const="", metavar="URL",
                    help="S4 through a shared Valkey/Redis: host A is lost, host B takes over "
                         "(no URL: a private redis-server)")  # fmt: skip
@@ -229,5 +243,5 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def build(args: argparse.Namespace) -> list[RestartScenario | RemoteRestartScenario]:
-    spec = RestartSpec(docs=args.docs, doc_tokens=args.doc_tokens)
+    spec = RestartSpec(docs=args.docs, doc_tokens=args.doc_tokens, restarts=args.restarts)
     return [RestartScenario(spec) if args.remote is None else RemoteRestartScenario(spec)]
