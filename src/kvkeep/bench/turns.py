@@ -7,6 +7,11 @@ units (a session's turn, one timed request, one trial) with ``ctx.turn()`` or
 ``ctx.aturn()`` and says so in its needs (``Needs.turns``); one that does not is a single
 unit. Modes then measure their first units, then their second ones, and so on, seconds
 apart, so a machine whose speed drifts over tens of seconds drifts for every mode alike.
+
+A turn lasts at least ``QUANTUM_S``: a member whose units are shorter keeps the turn for its
+next ones. Each change of turn waits for a quiet machine, 1.3 s or more after a request
+(vLLM polls for 1 s after its last step), which per request tripled S1's time in `bench all
+--quick` with three modes.
 """
 
 from __future__ import annotations
@@ -14,9 +19,12 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 
 from kvkeep.bench.quiet import wait_for_quiet
+
+QUANTUM_S = 2.0
 
 
 def settle() -> None:
@@ -31,15 +39,23 @@ class Turnstile:
     """One member at a time, in the rotation given; a member that leaves drops out of it.
 
     ``acquire`` waits for the member's turn, then for ``settle``; it is re-entrant for the
-    member that holds the turn. ``release`` passes the turn to the next member. A member that
-    has left (it finished, or failed) is let through at once, alone: it is not in the
-    rotation any more."""
+    member that holds the turn. ``release`` passes the turn to the next member once the
+    member has held it for ``quantum_s`` (None: QUANTUM_S); until then its next ``acquire``
+    goes straight on. A member that has left (it finished, or failed) is let through at once,
+    alone: it is not in the rotation any more."""
 
-    def __init__(self, members: Sequence[str], settle: Callable[[], None] = settle) -> None:
+    def __init__(
+        self,
+        members: Sequence[str],
+        settle: Callable[[], None] = settle,
+        quantum_s: float | None = None,
+    ) -> None:
         self._order = list(members)
         self._next = 0
         self._holder: str | None = None
         self._depth = 0
+        self._since = 0.0  # when the holder's turn began
+        self._quantum = QUANTUM_S if quantum_s is None else quantum_s
         self._settle = settle
         self._cond = threading.Condition()
 
@@ -61,14 +77,16 @@ class Turnstile:
                 return
             self._holder, self._depth = member, 1
         self._settle()
+        with self._cond:
+            self._since = time.monotonic()
 
     def release(self, member: str) -> None:
         with self._cond:
             if self._holder != member:
                 return
             self._depth -= 1
-            if self._depth:
-                return
+            if self._depth or time.monotonic() - self._since < self._quantum:
+                return  # a unit within the turn, or the turn is not over: the holder keeps it
             self._holder = None
             self._next = (self._order.index(member) + 1) % len(self._order)
             self._cond.notify_all()
