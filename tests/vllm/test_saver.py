@@ -100,13 +100,8 @@ def lingering_saver(
     return saver, layout, KVKeepClient.session(NS, layout.block_bytes)
 
 
-def test_small_steps_are_stored_together(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Steps of one block each, staged within the linger time, reach the server in one
-    RESERVE/COMMIT pair, each block with its own bytes (drain ends the wait)."""
-    monkeypatch.setattr(saver_module, "LINGER_S", 30.0)
-    monkeypatch.setattr(saver_module, "QUIET_S", 30.0)
-    layout = engine()
-    saver, counters = make_saver(server, layout, shape=staging_shape(1, 4096, 16 * 4096))
+def count_reserves(saver: Saver) -> list[int]:
+    """The saver's RESERVEs from now on, each as its number of keys (the list grows)."""
     calls: list[int] = []
     reserve = saver.client.reserve
 
@@ -115,6 +110,17 @@ def test_small_steps_are_stored_together(server: Server, monkeypatch: pytest.Mon
         return reserve(session, ks)
 
     saver.client.reserve = counted  # type: ignore[method-assign]
+    return calls
+
+
+def test_small_steps_are_stored_together(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps of one block each, staged within the linger time, reach the server in one
+    RESERVE/COMMIT pair, each block with its own bytes (drain ends the wait)."""
+    monkeypatch.setattr(saver_module, "LINGER_S", 30.0)
+    monkeypatch.setattr(saver_module, "QUIET_S", 30.0)
+    layout = engine()
+    saver, counters = make_saver(server, layout, shape=staging_shape(1, 4096, 16 * 4096))
+    calls = count_reserves(saver)
     session = KVKeepClient.session(NS, layout.block_bytes)
     ks, ids = keys(6), [3, 8, 1, 6, 10, 5]
     for block_id, key in zip(ids, ks, strict=True):
@@ -134,14 +140,7 @@ def test_small_steps_take_only_the_rows_they_fill(
     serve's CPU budget) all stage, none is skipped, and nothing is stored until they stop (a
     buffer per job ran low after 3 and stored in the middle of the prefill)."""
     saver, layout, session = lingering_saver(server, monkeypatch, (4, 8), quiet_s=30.0)
-    calls: list[int] = []
-    reserve = saver.client.reserve
-
-    def counted(session_: Session, ks_: Sequence[BlockKey]) -> list[SlotRef]:
-        calls.append(len(ks_))
-        return reserve(session_, ks_)
-
-    saver.client.reserve = counted  # type: ignore[method-assign]
+    calls = count_reserves(saver)
     ks = keys(20, 200)
     ids = [i % B for i in range(20)]
     for step in range(10):
