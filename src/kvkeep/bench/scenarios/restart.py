@@ -126,24 +126,24 @@ class RestartScenario:
 
     def run(self, ctx: RunContext) -> RestartResult:
         """The whole sequence on the context's engine (and cache server), restarting both;
-        each pass and each restart is one unit where modes take turns."""
+        a pass or a restart is a unit where modes take turns, but for the warm pass, the last
+        restart and the pass after it, which are one."""
         docs = self.spec.documents("restart")
         phases: dict[str, Queried] = {}
         first_ready_s = ctx.engine.ready_s
         with ctx.turn():
             phases["warmup"] = self._query(ctx, docs)
         restart_ready_s = []
-        for i in range(self.spec.restarts):
-            # the extra restarts first, then the warm pass: it is then the last thing the
-            # engine did before the restart whose hits it is compared with
-            if i == self.spec.restarts - 1:
-                with ctx.turn():
-                    if i:  # a restarted vLLM's device cache is empty: fill it again first
-                        self._query(ctx, docs)
-                    phases["warm"] = self._query(ctx, docs)
+        for _ in range(self.spec.restarts - 1):
             with ctx.turn():
                 restart_ready_s.append(ctx.engine.restart())
+        # The extra restarts first; then the warm pass, the last restart and the pass after it
+        # in one unit, so that the two passes compared are one restart apart, not several.
         with ctx.turn():
+            if self.spec.restarts > 1:  # a restarted vLLM's device cache is empty: refill it
+                self._query(ctx, docs)
+            phases["warm"] = self._query(ctx, docs)
+            restart_ready_s.append(ctx.engine.restart())
             phases["after_engine_restart"] = self._after_restart(ctx, docs, warm_up=len(docs))
         for how in SERVER_RESTARTS if ctx.caches else ():
             with ctx.turn():
