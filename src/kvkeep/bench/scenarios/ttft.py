@@ -29,7 +29,10 @@ from kvkeep.endpoint import StreamStats, complete_ids, discover_model
 from kvkeep.workload import random_ids
 
 DEFAULT_SIZES = (4096, 16384)
-COLD_SENDS = 3
+# Five, not three: on 2 cores a fixed batch of matmuls took 415-884 ms from one 2-s sample to
+# the next, and the median of three cold 8k sends per mode once put kvkeep's cold TTFT 11%
+# above vLLM's, where cold sends alternating between the two engines read 515 and 518 ms.
+COLD_SENDS = 5
 WARM_SENDS = 3
 
 
