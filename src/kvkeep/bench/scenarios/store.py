@@ -4,8 +4,10 @@ Everything runs in one go against real server processes on this machine:
 
 - ``memcpy_gbps``       numpy copy of the same total, the ceiling for the RAM tier;
 - ``ram_put_gbps``      reserve -> copy into the arena -> commit (client computes checksums);
-- ``ram_get_gbps``      acquire -> copy out of the arena -> release (``_verified``: the copy
-                        checks each block's checksum as it goes, ``copy_checked``);
+- ``ram_get_gbps``      acquire -> copy out of the arena -> release (``_verified``: each
+                        slot's checksum checked before its copy, as the connector's loads
+                        do, ``KVKeepClient.verify``); the best of ``RAM_ROUNDS`` passes
+                        each, plain and verified in turn;
 - ``disk_get_gbps``     same, verified, after a restart emptied RAM and the page cache was
                         dropped; ``disk_breakdown`` says where its time went: the server's
                         disk tier reading and verifying (summed over its threads), and the
@@ -41,13 +43,17 @@ from kvkeep.bench.deploy.cache import CacheServer, CacheSpec
 from kvkeep.bench.scenario import Needs
 from kvkeep.keys import Namespace, chain_keys
 from kvkeep.server.client import KVKeepClient, Session
-from kvkeep.store.base import StoreKey, checksum, copy_checked
+from kvkeep.store.base import StoreKey, checksum
 from kvkeep.store.disk import DiskConfig, DiskTier, drop_page_cache
 from kvkeep.units import format_size, parse_size
 
 GB = 1e9
 BATCH = 32
 DISK_ROUNDS = 3
+# The RAM gets, plain and verified, taken in turn and each the best of these: one pass is
+# about 0.1 s, and one verified pass once read 4.1 GB/s against 9.0 for the best of two
+# plain ones taken just before it.
+RAM_ROUNDS = 3
 TARGETS = {
     "ram_get_gbps": ">= 0.5 x memcpy_gbps",
     "ram_get_verified_gbps": ">= 0.5 x memcpy_gbps",
@@ -126,10 +132,11 @@ def _ram_and_disk(server: CacheServer, count: int, block: int, direct: Path) -> 
     session = client.hello(ns, block)
     put_s = _timed(lambda: _put_all(client, session, keys, data))
     _wait_written(client, count)  # keep write-through from competing with the reads
-    get_s = min(
-        _timed(lambda: _get_all(client, session, keys, out, verify=False)) for _ in range(2)
-    )
-    verified_s = _timed(lambda: _get_all(client, session, keys, out, verify=True))
+    plain, verified = [], []  # in turn, each the best of RAM_ROUNDS: one pass is ~0.1 s
+    for _ in range(RAM_ROUNDS):
+        plain.append(_timed(lambda: _get_all(client, session, keys, out, verify=False)))
+        verified.append(_timed(lambda: _get_all(client, session, keys, out, verify=True)))
+    get_s, verified_s = min(plain), min(verified)
     total = count * block
     _write_random(direct, total)  # as old as the tier's records, give or take seconds
 
@@ -215,11 +222,10 @@ def _get_all(
         if len(slots) != len(batch):
             raise RuntimeError(f"expected {len(batch)} hits, got {len(slots)}")
         t1 = clock()
-        for slot in slots:
-            if not verify:
-                np.copyto(out, client.slot_view(slot))
-            elif not copy_checked(out.data, client.slot_view(slot).data, slot.checksum):
+        for slot in slots:  # as the connector's loads do: verify the slot, then copy it in
+            if verify and not client.verify(slot):
                 raise RuntimeError("a served block failed its checksum")
+            np.copyto(out, client.slot_view(slot))
         t2 = clock()
         client.release(slots)
         if phases is not None:
