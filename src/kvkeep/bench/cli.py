@@ -139,7 +139,7 @@ def parser(name: str) -> argparse.ArgumentParser:
     if cmd.module is not None:
         cmd.module.add_args(p)
     else:  # bench all
-        p.add_argument("--quick", action="store_true", help="the demo's size (~15 min on 2 cores)")
+        p.add_argument("--quick", action="store_true", help="the demo's size (15-35 min, 2 cores)")
         p.set_defaults(out=Path("kvkeep-report"))
     return p
 

@@ -7,8 +7,8 @@ modes' deployments of a group are up at once and take turns (`kvkeep.bench.turns
 S4 (restart) on a device pool small enough that the capacity documents and the agents'
 working set exceed it, then S7 (real Claude Code sessions) on a pool of its own that their
 working set exceeds at least 3x.
-`--quick` is the demo's size (about 15 minutes on 2 cores, modes taking turns); the default
-size takes longer.
+`--quick` is the demo's size (on 2 cores, modes taking turns: about 15 minutes with AMX, 32
+without); the default size takes longer.
 """
 
 from __future__ import annotations
