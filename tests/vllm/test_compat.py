@@ -6,6 +6,7 @@ a stand-in (a real one needs a model), holding vLLM's real ParallelConfig and KV
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -38,8 +39,13 @@ from kvkeep.keys import Namespace
 from kvkeep.server.client import CacheUnavailable, KVKeepClient, LookupResult
 from kvkeep.vllm import compat
 from kvkeep.vllm.compat import UnsupportedConfig, check_supported, unkeyable_reason
-from kvkeep.vllm.connector import KVKeepConnector, KVKeepPromMetrics, SchedulerSide
-from kvkeep.vllm.scheduling import COUNTER_NAMES
+from kvkeep.vllm.connector import (
+    KVKeepConnector,
+    KVKeepHandshake,
+    KVKeepPromMetrics,
+    SchedulerSide,
+)
+from kvkeep.vllm.scheduling import COUNTER_NAMES, RequestBook
 
 BS = 16
 
@@ -122,9 +128,24 @@ class FakeClient:
         return LookupResult(len(keys), ("ram",) * len(keys))
 
 
+def fake_namespaces(
+    monkeypatch: pytest.MonkeyPatch, spaces: list[Namespace], known: str | None = NS.backend
+) -> None:
+    """``compat.namespace`` answers ``spaces[group]`` (under the backend given, if any), and
+    the engine core knows the backend itself unless ``known`` is None (as on CPU)."""
+
+    def namespace(
+        vllm_config: Any, kv_cache_config: Any, group: int = 0, backend: str | None = None
+    ) -> Namespace:
+        return replace(spaces[group], backend=backend or spaces[group].backend)
+
+    monkeypatch.setattr(compat, "namespace", namespace)
+    monkeypatch.setattr(compat, "known_backend", lambda vllm_config: known)
+
+
 @pytest.fixture
 def side(monkeypatch: pytest.MonkeyPatch) -> tuple[SchedulerSide, FakeClient]:
-    monkeypatch.setattr(compat, "namespace", lambda vllm_config, kv_cache_config, group=0: NS)
+    fake_namespaces(monkeypatch, [NS])
     monkeypatch.setattr(compat, "expected_block_bytes", lambda kv_cache_config, group=0: 1024)
     monkeypatch.setattr(compat, "group_windows", lambda kv_cache_config: (None,))
     client = FakeClient()
@@ -180,13 +201,88 @@ def test_the_prefix_vllm_serves_itself_is_touched_once_off_the_thread(
     assert len(client.touches) == 1, "no device hit, nothing to refresh"
 
 
+class HelloClient(FakeClient):
+    """Up at HELLO: records the namespaces announced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hellos: list[bytes] = []
+
+    def hello(self, digest: bytes, *args: Any) -> None:
+        self.hellos.append(digest)
+
+
+def handshake_connector(scheduler: SchedulerSide) -> KVKeepConnector:
+    """A scheduler-side connector around ``scheduler``, without vLLM's config."""
+    connector = object.__new__(KVKeepConnector)
+    connector._scheduler, connector._workers = scheduler, []
+    return connector
+
+
+def test_on_cpu_the_scheduler_keys_under_the_backend_the_workers_hand_over(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engine core does not import vLLM's CPU attention module to learn the ISA (0.6 s
+    of start-up): the workers' handshake brings it, before any request, and only then does
+    the scheduler side announce its namespace and key requests under it."""
+    fake_namespaces(monkeypatch, [NS], known=None)
+    monkeypatch.setattr(compat, "expected_block_bytes", lambda kv_cache_config, group=0: 1024)
+    monkeypatch.setattr(compat, "group_windows", lambda kv_cache_config: (None,))
+    monkeypatch.setattr(compat, "attention_backend", lambda *a: pytest.fail("imported here"))
+    client = HelloClient()
+    scheduler = SchedulerSide(None, None, client)  # type: ignore[arg-type]
+    assert client.hellos == [], "no namespace is announced before the backend is known"
+    sent = pickle.loads(pickle.dumps(KVKeepHandshake("cpu_attn/amx")))  # as vLLM ships it
+    handshake_connector(scheduler).set_xfer_handshake_metadata({0: sent})
+    adopted = replace(NS, backend="cpu_attn/amx")
+    assert scheduler.namespace == adopted
+    assert client.hellos == [adopted.digest()]
+    req = request()
+    assert scheduler.match(req, 0) == (3 * BS, False)
+    expected = RequestBook(adopted).keys_for("other", req.prompt_token_ids, None)
+    assert scheduler.book.keys_for(req.request_id, req.prompt_token_ids, None) == expected
+    assert expected != RequestBook(NS).keys_for("other", req.prompt_token_ids, None)
+
+
+def test_without_a_handshake_the_first_request_finds_the_backend_itself(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake_namespaces(monkeypatch, [NS], known=None)
+    monkeypatch.setattr(compat, "expected_block_bytes", lambda kv_cache_config, group=0: 1024)
+    monkeypatch.setattr(compat, "group_windows", lambda kv_cache_config: (None,))
+    monkeypatch.setattr(compat, "attention_backend", lambda *a: "cpu_attn/vec16")
+    client = HelloClient()
+    scheduler = SchedulerSide(None, None, client)  # type: ignore[arg-type]
+    assert scheduler.match(request(), 0) == (3 * BS, False)
+    assert scheduler.namespace.backend == "cpu_attn/vec16"
+    assert client.hellos == [scheduler.namespace.digest()]
+    handshake_connector(scheduler).set_xfer_handshake_metadata({0: KVKeepHandshake("late")})
+    assert scheduler.namespace.backend == "cpu_attn/vec16", "keys never change under requests"
+
+
+def test_a_worker_that_cannot_tell_its_backend_hands_over_nothing_and_start_up_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    connector = object.__new__(KVKeepConnector)
+    connector._workers = [SimpleNamespace(vllm_config=None, kv_cache_config=None)]  # type: ignore[list-item]
+    monkeypatch.setattr(compat, "attention_backend", lambda *a: "cpu_attn/vec")
+    found = connector.get_handshake_metadata()
+    assert isinstance(found, KVKeepHandshake) and found.backend == "cpu_attn/vec"
+
+    def broken(*a: Any) -> str:
+        raise RuntimeError("no ISA")
+
+    monkeypatch.setattr(compat, "attention_backend", broken)
+    assert connector.get_handshake_metadata() is None
+
+
 def test_a_big_hit_loads_asynchronously_and_saves_after_it_when_vllm_resumes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """At the threshold the hit is asynchronous and its load says so; when vLLM admits the
     request again (external 0, ``num_computed_tokens`` set to what loaded, here truncated at
     a failed block 2), the plan saves from the failed block on, not the loaded ones."""
-    monkeypatch.setattr(compat, "namespace", lambda vllm_config, kv_cache_config, group=0: NS)
+    fake_namespaces(monkeypatch, [NS])
     monkeypatch.setattr(compat, "expected_block_bytes", lambda kv_cache_config, group=0: 1024)
     monkeypatch.setattr(compat, "group_windows", lambda kv_cache_config: (None,))
     scheduler = SchedulerSide(None, None, FakeClient(), load_async_min_blocks=3)  # type: ignore[arg-type]
@@ -422,7 +518,7 @@ class GroupClient(FakeClient):
 def hybrid_side(monkeypatch: pytest.MonkeyPatch) -> tuple[SchedulerSide, GroupClient]:
     """Group 0 slides over 2 blocks (window 2 * BS + 1), group 1 is full attention."""
     spaces = [replace(NS, layout=f"LBHNC/g{g}") for g in range(2)]
-    monkeypatch.setattr(compat, "namespace", lambda vllm_config, kv_cache_config, g=0: spaces[g])
+    fake_namespaces(monkeypatch, spaces)
     monkeypatch.setattr(compat, "expected_block_bytes", lambda kv_cache_config, group=0: 1024)
     monkeypatch.setattr(compat, "group_windows", lambda kv_cache_config: (2 * BS + 1, None))
     client = GroupClient()

@@ -110,16 +110,27 @@ def tp_rank_size(vllm_config: Any) -> tuple[int, int]:
 
 def attention_backend(vllm_config: Any, kv_cache_config: Any) -> str:
     """Backend plus, on CPU, the ISA that packs pages (an AMX page is not an AVX-512 page)."""
-    from vllm.platforms import current_platform
+    if (known := known_backend(vllm_config)) is not None:
+        return known
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     spec = _spec(kv_cache_config)
-    if current_platform.is_cpu():
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    isa = _get_attn_isa(
+        spec.dtype, spec.block_size, spec.head_size, vllm_config.cache_config.cache_dtype
+    )
+    return f"cpu_attn/{isa}"
 
-        isa = _get_attn_isa(
-            spec.dtype, spec.block_size, spec.head_size, vllm_config.cache_config.cache_dtype
-        )
-        return f"cpu_attn/{isa}"
+
+def known_backend(vllm_config: Any) -> str | None:
+    """``attention_backend``, where the config and the device tell it; None on CPU, where
+    the ISA takes vLLM's CPU attention module, which an engine core otherwise never imports
+    (0.6 s to import on 2 cores, with the worker polling beside it: start-up time). There
+    the scheduler side takes the workers' answer from vLLM's connector handshake
+    (``KVKeepConnector.get_handshake_metadata``)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return None
     backend = getattr(vllm_config.attention_config, "backend", None)
     capability = current_platform.get_device_capability()
     cap = capability.as_version_str() if capability is not None else "?"
@@ -174,11 +185,14 @@ def weights_fingerprint(model: str) -> str | None:
     return digest.hexdigest()
 
 
-def namespace(vllm_config: Any, kv_cache_config: Any, group: int = 0) -> Namespace:
+def namespace(
+    vllm_config: Any, kv_cache_config: Any, group: int = 0, backend: str | None = None
+) -> Namespace:
     """The rank-0 namespace of this engine's blocks of KV cache group ``group`` (salt unset;
     it is per request). With several groups the layout names the group, its layers and its
     window, so one group's blocks never stand in for another's; a single group's namespace
-    is what it was before kvkeep knew groups (its stored blocks stay valid)."""
+    is what it was before kvkeep knew groups (its stored blocks stay valid). ``backend``:
+    ``attention_backend``'s answer, where the caller has it."""
     spec = _spec(kv_cache_config, group)
     _, tp_size = tp_rank_size(vllm_config)
     kv_dtype = f"{spec.dtype}/{vllm_config.cache_config.cache_dtype}"
@@ -190,7 +204,7 @@ def namespace(vllm_config: Any, kv_cache_config: Any, group: int = 0) -> Namespa
         model_digest=model_digest(vllm_config),
         kv_dtype=kv_dtype,
         layout=layout,
-        backend=attention_backend(vllm_config, kv_cache_config),
+        backend=backend or attention_backend(vllm_config, kv_cache_config),
         block_size=int(spec.block_size),
         tp_rank=0,
         tp_size=tp_size,

@@ -12,6 +12,10 @@ blocks beyond vLLM's own hit and claims the leading present ones (always leaving
 compute); it tracks every running request's block table and emits, each step, the blocks to
 load and the blocks that become full (to save) in a ``StepPlan``.
 
+On CPU the namespace's attention backend (the ISA that packs pages) comes from the workers,
+through vLLM's connector handshake at start-up (``get_handshake_metadata``): finding it in
+the engine core would import vLLM's CPU attention module there, 0.6 s of start-up on 2 cores.
+
 Worker side: a load is ACQUIRE (pins) → verify the checksum → copy each block (all layers)
 into the allocated blocks → RELEASE. Small hits load synchronously, before the forward. A
 hit of ``load_async_min_blocks`` blocks (by default 16 MiB of them) or more loads
@@ -64,10 +68,12 @@ vllm, are in ``scheduling``.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
@@ -100,6 +106,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+log = logging.getLogger("vllm.kvkeep")
+
 STATS_HOLD_S = 1.0  # timings alone go to vLLM at most this often (Counters.take)
 
 
@@ -109,6 +117,15 @@ class KVKeepMetadata(KVConnectorMetadata):
 
     def __init__(self, plans: tuple[StepPlan, ...] | None) -> None:
         self.plans = plans
+
+
+class KVKeepHandshake(KVConnectorHandshakeMetadata):
+    """What a worker tells the scheduler side at start-up (vLLM's connector handshake): the
+    attention backend it keys under, which on CPU the engine core does not know cheaply
+    (``compat.known_backend``)."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
 
 
 # --- the connector ------------------------------------------------------------------------
@@ -217,6 +234,27 @@ class KVKeepConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._workers
         for worker in self._workers:
             worker.register(kv_caches)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        """This worker's attention backend, which vLLM hands to the scheduler side after the
+        KV caches are registered. None on failure: the scheduler side then finds it itself."""
+        if not self._workers:
+            return None
+        worker = self._workers[0]
+        try:
+            return KVKeepHandshake(compat.attention_backend(worker.vllm_config,
+                                                            worker.kv_cache_config))  # fmt: skip
+        except Exception:
+            log.exception("kvkeep: no attention backend for the handshake")
+            return None
+
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
+        """Rank 0's backend keys every rank's blocks (each rank adds its ``tp_rank``)."""
+        first = metadata.get(0, next(iter(metadata.values()), None))
+        if self._scheduler is not None and isinstance(first, KVKeepHandshake):
+            self._scheduler.adopt_backend(first.backend)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         plans = self._plans()

@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vllm.kvkeep")
 
+PENDING_BACKEND = "pending"  # no key is made under it (``SchedulerSide._backend_known``)
+
 
 class SchedulerSide:
     """Claims, per-request tracking and the step plan. Every vLLM callback here is wrapped so
@@ -53,21 +55,38 @@ class SchedulerSide:
                      "hybrid's loads only as whole requests of asynchronous loads); "
                      "load_async_min_blocks=%s does not apply", len(windows),
                      load_async_min_blocks)  # fmt: skip
+        self.client = client
+        self._configs = (vllm_config, kv_cache_config)
+        self._threshold, self._windows = threshold, windows
+        # On CPU the workers' connector handshake brings the backend, before any request.
+        backend = compat.known_backend(vllm_config)
+        self.backend_pending = backend is None
+        self._open(backend or PENDING_BACKEND)
+        self.counters = Counters()
+        self._requests: dict[str, Any] = {}  # req_id -> vLLM Request, while tracked
+        self._unkeyable: set[str] = set()  # req_ids counted as unkeyable, until finished
+        self.refresher = Refresher(client.sibling())  # keeps vLLM's device hits warm
+        self.guard = SyncLoadGuard(compat.plans_in_flight(vllm_config))  # see kvkeep.vllm.guard
+        if not self.backend_pending:
+            self._announce(client.socket_path)
+
+    def _open(self, backend: str) -> None:
+        """The books and sessions of every KV cache group, keyed under ``backend``."""
+        vllm_config, kv_cache_config = self._configs
         self.books = [
             RequestBook(
-                compat.namespace(vllm_config, kv_cache_config, g),
-                threshold,
+                compat.namespace(vllm_config, kv_cache_config, g, backend),
+                self._threshold,
                 window,
                 compat.NULL_BLOCK_ID,
             )
-            for g, window in enumerate(windows)
+            for g, window in enumerate(self._windows)
         ]
-        self.client = client
         self.sessions = [
-            client.session(
+            self.client.session(
                 book.namespace,
                 compat.expected_block_bytes(kv_cache_config, g),
-                label=compat.group_label("scheduler", g, windows),
+                label=compat.group_label("scheduler", g, self._windows),
             )
             for g, book in enumerate(self.books)
         ]
@@ -75,12 +94,21 @@ class SchedulerSide:
         # the group whose whole prefix a hit needs: the one refreshed for vLLM's device hits
         self._hot_group = next((g for g, b in enumerate(self.books) if b.window is None), 0)
         self.namespace = self.book.namespace
-        self.counters = Counters()
-        self._requests: dict[str, Any] = {}  # req_id -> vLLM Request, while tracked
-        self._unkeyable: set[str] = set()  # req_ids counted as unkeyable, until finished
-        self.refresher = Refresher(client.sibling())  # keeps vLLM's device hits warm
-        self.guard = SyncLoadGuard(compat.plans_in_flight(vllm_config))  # see kvkeep.vllm.guard
-        self._announce(client.socket_path)
+
+    def adopt_backend(self, backend: str) -> None:
+        """The workers' attention backend, from vLLM's connector handshake at start-up (before
+        any request), where the engine core does not know it (``compat.known_backend``)."""
+        if not self.backend_pending:
+            return
+        self._open(backend)
+        self.backend_pending = False
+        self._announce(self.client.socket_path)
+
+    def _backend_known(self) -> None:
+        """Before the first key: a vLLM that made no handshake leaves it to be found here."""
+        if self.backend_pending:
+            log.info("kvkeep: no attention backend from the workers; finding it here")
+            self.adopt_backend(compat.attention_backend(*self._configs))
 
     def _announce(self, socket_path: str | None) -> None:
         try:
@@ -107,6 +135,7 @@ class SchedulerSide:
         step") while vLLM's own hit covers blocks of a synchronous load whose outcome is not
         known yet (:mod:`kvkeep.vllm.guard`)."""
         try:
+            self._backend_known()
             if compat.unkeyable_reason(request) is not None:
                 return 0, False  # no LOOKUP; after_alloc counts the reason once
             if self._on_unconfirmed_blocks(request, num_computed_tokens):
@@ -238,6 +267,7 @@ class SchedulerSide:
             self.guard.planned()
 
     def _plan(self, out: Any) -> tuple[StepPlan, ...]:
+        self._backend_known()
         return tuple(self._group_plan(out, g) for g in range(len(self.books)))
 
     def _group_plan(self, out: Any, group: int) -> StepPlan:
