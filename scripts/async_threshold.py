@@ -39,7 +39,7 @@ from kvkeep.bench.metrics import kvkeep_profile
 from kvkeep.serve import CacheServerConfig, CacheServerProcess
 
 BLOCK = 128
-SIZES = (1, 2, 4, 8, 16, 32, 48)
+SIZES = tuple(int(n) for n in os.environ.get("KVKEEP_SIZES", "1,2,4,8,16,32,64,96,128").split(","))
 REPEATS = 3
 MODEL_NAME = "kvkeep-tiny"
 
@@ -102,7 +102,8 @@ def decode_step_ms(url: str, rng: random.Random, streams: int) -> float:
 def run(model: Path, threshold: int | None, base: Path) -> dict[str, object]:
     cache = CacheServerProcess(CacheServerConfig(base / f"cache-{threshold}", ram="2GiB"))
     cache.ensure()
-    cfg = LaunchConfig(model=model, mode="kvkeep", max_model_len=8192,
+    model_len = max(8192, (max(SIZES) + 1) * BLOCK)
+    cfg = LaunchConfig(model=model, mode="kvkeep", max_model_len=model_len,
                        cache_socket=cache.cfg.socket_path, log_dir=base / "logs",
                        connector_settings=(("load_async_min_blocks", threshold),))  # fmt: skip
     rng = random.Random(13)

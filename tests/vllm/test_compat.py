@@ -309,6 +309,36 @@ def test_a_big_hit_loads_asynchronously_and_saves_after_it_when_vllm_resumes(
     assert [s.block_id for s in plan.saves] == [2]
 
 
+def test_auto_loads_a_big_hit_synchronously_when_no_other_request_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With "auto" (``sync_when_alone``) and alone, a hit over the threshold loads on the
+    step; with another request tracked beside it, in the background. The answer is decided once per
+    admission attempt: asked again with the same inputs, vLLM hears the same, and the plan
+    loads the way vLLM was told even after the other request finished."""
+    fake_namespaces(monkeypatch, [NS])
+    monkeypatch.setattr(compat, "expected_block_bytes", lambda kv_cache_config, group=0: 1024)
+    monkeypatch.setattr(compat, "group_windows", lambda kv_cache_config: (None,))
+    scheduler = SchedulerSide(None, None, FakeClient(), 3, sync_when_alone=True)  # type: ignore[arg-type]
+    alone = request("alone")
+    assert scheduler.match(alone, 0) == (3 * BS, False)
+    scheduler.after_alloc(alone, blocks(3), 3 * BS)
+    beside = request("beside")
+    assert scheduler.match(beside, 0) == (3 * BS, True)
+    scheduler.finished("alone")
+    assert scheduler.match(beside, 0) == (3 * BS, True)  # memoised: what vLLM was told
+    scheduler.after_alloc(beside, blocks(3), 3 * BS)
+    step = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={},
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[],
+                                              resumed_req_ids=set()))  # fmt: skip
+    plans = scheduler.plan(step)
+    assert plans is not None
+    assert [(r.req_id, r.background) for r in plans[0].loads] == [
+        ("alone", False),
+        ("beside", True),
+    ]
+
+
 def test_a_lora_request_is_not_looked_up_nor_saved(
     side: tuple[SchedulerSide, FakeClient],
 ) -> None:

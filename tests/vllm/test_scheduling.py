@@ -300,6 +300,9 @@ def test_async_loads_start_at_the_threshold_and_a_failed_one_claims_no_more() ->
     book = RequestBook(NS, load_async_min_blocks=3)
     assert [book.in_background(n) for n in (0, 2, 3, 9)] == [False, False, True, True]
     assert not RequestBook(NS).in_background(100)  # no threshold: always synchronous
+    alone = RequestBook(NS, load_async_min_blocks=3, sync_when_alone=True)
+    assert [alone.in_background(9, others) for others in (0, 1, 5)] == [False, True, True]
+    assert book.in_background(9, others=0)  # a fixed threshold holds with nobody beside
     prompt = tokens(4 * BS + 1)
     book.remember_match("small", Match(0, len(prompt), 2))
     book.remember_match("big", Match(0, len(prompt), 4))

@@ -18,10 +18,10 @@ the engine core would import vLLM's CPU attention module there, 0.6 s of start-u
 
 Worker side: a load is ACQUIRE (pins) → verify the checksum → copy each block (all layers)
 into the allocated blocks → RELEASE. Small hits load synchronously, before the forward. A
-hit of ``load_async_min_blocks`` blocks (by default 16 MiB of them) or more loads
-asynchronously (``load_async``): vLLM parks the request, the worker copies on a background
-thread while other requests' steps run, and ``get_finished`` reports the request when its
-blocks are in (:mod:`kvkeep.vllm.loader`).
+hit of ``load_async_min_blocks`` blocks (by default 16 MiB of them, and only while other
+requests run beside it) or more loads asynchronously (``load_async``): vLLM parks the
+request, the worker copies on a background thread while other requests' steps run, and
+``get_finished`` reports the request when its blocks are in (:mod:`kvkeep.vllm.loader`).
 A block that is missing, corrupt or fails to copy is reported through
 ``get_block_ids_with_load_errors`` (for an asynchronous load, in the step that reports it
 finished) and vLLM recomputes it (policy "recompute").
@@ -154,8 +154,9 @@ class KVKeepConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             block_bytes = compat.expected_block_bytes(kv_cache_config)
             self._scheduler = SchedulerSide(
-                vllm_config, kv_cache_config, client, config.async_min_blocks(block_bytes)
-            )
+                vllm_config, kv_cache_config, client, config.async_min_blocks(block_bytes),
+                config.sync_when_alone,
+            )  # fmt: skip
         else:
             staging = None if config.staging_mib is None else int(config.staging_mib * (1 << 20))
             self._workers = [

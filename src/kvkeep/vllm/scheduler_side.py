@@ -43,6 +43,7 @@ class SchedulerSide:
         kv_cache_config: Any,
         client: KVKeepClient,
         load_async_min_blocks: int | None = None,
+        sync_when_alone: bool = False,
     ) -> None:
         self.vllm_config = vllm_config
         windows = compat.group_windows(kv_cache_config)
@@ -58,6 +59,7 @@ class SchedulerSide:
         self.client = client
         self._configs = (vllm_config, kv_cache_config)
         self._threshold, self._windows = threshold, windows
+        self._sync_when_alone = sync_when_alone and not self.hybrid
         # On CPU the workers' connector handshake brings the backend, before any request.
         backend = compat.known_backend(vllm_config)
         self.backend_pending = backend is None
@@ -79,6 +81,7 @@ class SchedulerSide:
                 self._threshold,
                 window,
                 compat.NULL_BLOCK_ID,
+                self._sync_when_alone,
             )
             for g, window in enumerate(self._windows)
         ]
@@ -142,12 +145,15 @@ class SchedulerSide:
                 self.counters.add("admissions_deferred", 1)
                 return None, False
             with self.counters.timed("match_s"):
-                tokens = self._match(request, num_computed_tokens)
+                match = self._match(request, num_computed_tokens)
         except Exception:
             log.exception("kvkeep: lookup failed; treating it as a miss")
             self.counters.add("lookup_failures", 1)
             return 0, False
-        return tokens, self.book.in_background(tokens // self.book.block_size)
+        background = match.background
+        if background is None:
+            background = self.book.in_background(match.num_blocks)
+        return match.num_blocks * self.book.block_size, background
 
     def _on_unconfirmed_blocks(self, request: Any, num_computed: int) -> bool:
         if not self.guard.active or num_computed < self.book.block_size:
@@ -156,18 +162,23 @@ class SchedulerSide:
         keys = self.book.keys_for(request.request_id, tokens, salt)
         return self.guard.covers(keys[: num_computed // self.book.block_size])
 
-    def _match(self, request: Any, num_computed: int) -> int:
+    def _match(self, request: Any, num_computed: int) -> Match:
+        """The memoised answer, or a new one: blocks found and whether they load in the
+        background, decided once per admission attempt (vLLM asks again with the same inputs,
+        and ``after_alloc`` must plan the load the way vLLM was told)."""
         req_id, num_tokens = request.request_id, request.num_tokens
         cached = self.book.cached_match(req_id, num_computed, num_tokens)
         if cached is not None:
-            return cached.num_blocks * self.book.block_size
+            return cached
         if not self.book.claims_for(req_id):
-            return 0
+            return Match(num_computed, num_tokens, 0)
         claim = claim_range(num_tokens, num_computed, self.book.block_size)
         found = self._lookup_groups(request, claim) if self.hybrid else self._lookup(request, claim)
+        others = len(self._requests) - (req_id in self._requests)  # running, or loading
+        match = Match(num_computed, num_tokens, found, self.book.in_background(found, others))
         for book in self.books:
-            book.remember_match(req_id, Match(num_computed, num_tokens, found))
-        return found * self.book.block_size
+            book.remember_match(req_id, match)
+        return match
 
     def _lookup(self, request: Any, claim: ClaimRange) -> int:
         if claim.empty:

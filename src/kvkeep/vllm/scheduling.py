@@ -61,7 +61,13 @@ under half a step. An asynchronous load costs its own request at least one step,
 blocks was a quarter of a cached request's TTFT (S4). Over PCIe with pinned memory 16 MiB is
 under 1 ms. On CPU a background copy takes the same cores as the forward, so it is not free
 for the others either.
-Set ``load_async_min_blocks`` to a number of blocks, or null for never."""
+With no other request running, a synchronous load stalls nobody, and "auto" loads every hit
+synchronously then: on 2 cores with AMX and an idle engine (``scripts/async_threshold.py``,
+decode step 3.3 ms), a hit of 16 / 64 / 128 blocks reached its first token in 36 / 44 / 55 ms
+loaded synchronously and in 41 / 57 / 71 ms asynchronously; its synchronous load took 1.9 /
+6.3 / 10.7 ms.
+Set ``load_async_min_blocks`` to a number of blocks (a fixed threshold, others running or
+not), or null for never."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +138,12 @@ class ConnectorConfig:
             return max(1, -(-LOAD_ASYNC_MIN_BYTES // max(block_bytes, 1)))
         assert not isinstance(self.load_async_min_blocks, str)
         return self.load_async_min_blocks
+
+    @property
+    def sync_when_alone(self) -> bool:
+        """With "auto", a hit loads synchronously, whatever its size, when no other request
+        runs beside it (``LOAD_ASYNC_MIN_BYTES``); a number of blocks is a fixed threshold."""
+        return self.load_async_min_blocks == "auto"
 
 
 def _whole_or_none(key: str, value: Any) -> int | None:
@@ -217,6 +229,7 @@ class Match(NamedTuple):
     num_computed_tokens: int
     num_tokens: int
     num_blocks: int  # blocks kvkeep has from ``num_computed_tokens // block_size`` on
+    background: bool | None = None  # what vLLM was told (None: ``in_background`` decides)
 
 
 # --- per-request bookkeeping ----------------------------------------------------------------
@@ -259,10 +272,12 @@ class RequestBook:
         load_async_min_blocks: int | None = None,
         window: int | None = None,
         null_block: int = 0,
+        sync_when_alone: bool = False,
     ) -> None:
         self.namespace = namespace
         self.block_size = namespace.block_size
         self.load_async_min_blocks = load_async_min_blocks
+        self.sync_when_alone = sync_when_alone
         self.window = window
         self.null_block = null_block
         self._roots: dict[str | None, BlockKey] = {}
@@ -359,10 +374,14 @@ class RequestBook:
         self._no_claims |= failed & set(self._tracked)
         return failed
 
-    def in_background(self, num_blocks: int) -> bool:
-        """Whether a load of ``num_blocks`` blocks is asynchronous. Pure. Small hits stay
-        synchronous: an asynchronous load costs its request at least one extra step."""
+    def in_background(self, num_blocks: int, others: int = 1) -> bool:
+        """Whether a load of ``num_blocks`` blocks is asynchronous, with ``others`` requests
+        running beside it. Pure. Small hits stay synchronous: an asynchronous load costs its
+        request at least one extra step. With ``sync_when_alone`` so does every hit that no
+        other request runs beside: a synchronous copy then stalls nobody else's steps."""
         threshold = self.load_async_min_blocks
+        if self.sync_when_alone and others <= 0:
+            return False
         return num_blocks > 0 and threshold is not None and num_blocks >= threshold
 
     def on_alloc(
@@ -401,7 +420,8 @@ class RequestBook:
         )
         if not blocks:
             return None
-        load = RequestLoad(req_id, blocks, self.in_background(external))
+        told = match.background if match is not None else None
+        load = RequestLoad(req_id, blocks, self.in_background(external) if told is None else told)
         if load.background:
             self._in_flight[req_id] = frozenset(b.block_id for b in blocks)
         self._loads.append(load)
