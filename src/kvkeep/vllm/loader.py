@@ -31,7 +31,7 @@ from typing import NamedTuple
 from kvkeep.background import start_thread, unbind
 from kvkeep.server.client import CacheUnavailable, KVKeepClient, Session, SlotRef
 from kvkeep.vllm.layout import KVLayout
-from kvkeep.vllm.scheduling import RequestLoad
+from kvkeep.vllm.scheduling import BlockTransfer, RequestLoad
 from kvkeep.vllm.transfer import Fence, Mover, region_of
 
 log = logging.getLogger("vllm.kvkeep")
@@ -73,13 +73,12 @@ class BlockLoader:
         try:
             with self._timed("acquire_rpc_s"):
                 slots = self.client.acquire(session, [b.key for b in request.blocks])
-            good = self._verified(request, slots)
+            good = self._verify_and_copy(request, slots, after)
             if good < len(slots):
                 log.warning("kvkeep: block %s failed its checksum", slots[good].key.hex()[:12])
                 # Report every bad one of the rest too (this path is rare): the server drops
                 # them, so one pass is enough for loads or saves to replace them.
                 corrupt = [s for s in slots[good:] if not self.client.verify(s)]
-            self._copy_in(request, slots[:good], after)
         except Exception as exc:
             log.warning("kvkeep: load of %s failed (%d blocks verified): %s", request.req_id,
                         good, exc)  # fmt: skip
@@ -88,23 +87,47 @@ class BlockLoader:
             self._release(slots, corrupt)
         return good
 
-    def _verified(self, request: RequestLoad, slots: Sequence[SlotRef]) -> int:
-        """How many leading slots hold their block's key and pass their checksum."""
-        for i, (block, slot) in enumerate(zip(request.blocks, slots, strict=False)):
-            if slot.key != block.key or not self._verify(slot):
-                return i
-        return len(slots)
-
-    def _verify(self, slot: SlotRef) -> bool:
-        with self._timed("verify_s"):
-            return self.client.verify(slot)
-
-    def _copy_in(self, request: RequestLoad, slots: Sequence[SlotRef], after: Fence | bool) -> None:
+    def _verify_and_copy(
+        self, request: RequestLoad, slots: Sequence[SlotRef], after: Fence | bool
+    ) -> int:
+        """Verify the slots and copy the leading good ones in; how many that is. In runs of
+        about ``Mover.verify_run_bytes``: a run is copied right after its checksums, while
+        its bytes are still in the CPU's cache (on 2 cores a 64-block load of 16 MiB read the
+        arena once instead of twice); a mover without a run size verifies all, then copies
+        once (one batched DMA)."""
         mapping = self.client.arena_mapping()
         if mapping is not None:
             self.mover.pin_arena(region_of(*mapping))
+        run = self.mover.verify_run_bytes
+        step = max(1, run // max(self.layout.block_bytes, 1)) if run else max(1, len(slots))
+        good = 0
+        for start in range(0, len(slots), step):
+            chunk = slots[start : start + step]
+            ok = self._verified(request.blocks[start:], chunk)
+            self._copy_in(request.blocks[start : start + ok], chunk[:ok], after)
+            good += ok
+            if ok < len(chunk):
+                break
+        return good
+
+    def _verified(self, blocks: Sequence[BlockTransfer], slots: Sequence[SlotRef]) -> int:
+        """How many leading slots hold their block's key and pass their checksum."""
+        t0 = time.perf_counter()
+        try:
+            for i, (block, slot) in enumerate(zip(blocks, slots, strict=False)):
+                if slot.key != block.key or not self.client.verify(slot):
+                    return i
+            return len(slots)
+        finally:
+            self._count("verify_s", time.perf_counter() - t0)
+
+    def _copy_in(
+        self, blocks: Sequence[BlockTransfer], slots: Sequence[SlotRef], after: Fence | bool
+    ) -> None:
+        if not slots:
+            return
         views = [self.client.slot_view(s) for s in slots]
-        ids = [b.block_id for b in request.blocks[: len(slots)]]
+        ids = [b.block_id for b in blocks]
         with self._timed("copy_in_s"):
             if after is False:
                 self.mover.scatter(self.layout, ids, views)

@@ -47,6 +47,10 @@ class Mover:
     """Copies for a KV cache in host memory. Every method blocks until its copy is done
     (``gather`` returns an already finished wait) and raises only on a bad buffer."""
 
+    # A load verifies and copies in runs of about this many bytes, each copied while its
+    # bytes are still in cache from their checksum (None: verify all, then copy once).
+    verify_run_bytes: int | None = 1 << 20
+
     def pin_arena(self, region: ArenaRegion | None) -> None:
         """Make the cache server's arena fast to copy from (a no-op in host memory)."""
 
