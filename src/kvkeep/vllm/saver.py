@@ -299,14 +299,22 @@ class Saver:
                 self.client.release(slots)
 
     def _fill(self, rows: dict[BlockKey, torch.Tensor], slots: Sequence[SlotRef]) -> list[int]:
-        """Copy each slot's row into it; the checksums of the slots' bytes, in order."""
+        """Copy each slot's row into it; the checksums of the slots' bytes, in order. The
+        phases are timed per batch, not per slot: on 2 cores four counter updates a slot cost
+        more than a 256 KiB block's checksum."""
         crcs = []
-        for slot in slots:
-            view = self.client.slot_view(slot)
-            with self._timed("slot_copy_s"):
+        clock, copy_s, hash_s = time.perf_counter, 0.0, 0.0
+        try:
+            for slot in slots:
+                view = self.client.slot_view(slot)
+                t0 = clock()
                 np.copyto(view, rows[slot.key].numpy())
-            with self._timed("checksum_s"):
+                t1 = clock()
                 crcs.append(checksum(view.data))
+                copy_s, hash_s = copy_s + t1 - t0, hash_s + clock() - t1
+        finally:
+            self._count("slot_copy_s", copy_s)
+            self._count("checksum_s", hash_s)
         return crcs
 
     # lifecycle -----------------------------------------------------------------------------
