@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import os
 import struct
+import sys
 import zlib
 from pathlib import Path
 
+import pytest
+
+import kvkeep.store.disk as disk_module
 from kvkeep.store.disk import DiskConfig, DiskTier
 from kvkeep.store.diskformat import HEADER_BYTES
 
@@ -132,3 +136,39 @@ def test_segments_of_the_crc32_format_are_deleted_not_read(tmp_path: Path) -> No
     assert put(disk, 3) and get(disk, 3) == payload(3, 10 * KiB)
     disk.close()
     assert get(make(tmp_path), 3) == payload(3, 10 * KiB)
+
+
+def test_start_writeback_sends_a_range_to_the_device(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, b"x" * (1 << 20))
+        if sys.platform == "linux":
+            assert disk_module.start_writeback(fd, 0, 1 << 20)
+    finally:
+        os.close(fd)
+    assert not disk_module.start_writeback(fd, 0, 1 << 20)  # a closed descriptor: nothing started
+
+
+def test_each_put_starts_the_writeback_of_its_own_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer thread sends each record to the device as it appends it (the range it
+    wrote, header included), so the kernel's flusher never writes it later beside a forward."""
+    calls: list[tuple[int, int, bool]] = []
+    real = disk_module.start_writeback
+
+    def spy(fd: int, offset: int, length: int) -> bool:
+        calls.append((offset, length, real(fd, offset, length)))
+        return calls[-1][2]
+
+    monkeypatch.setattr(disk_module, "start_writeback", spy)
+    tier = DiskTier(DiskConfig(str(tmp_path), capacity_bytes=8 << 20))
+    first, second = payload(1, 3000), payload(2, 5000)
+    assert tier.put(key(1), memoryview(first), crc(1, 3000))
+    assert tier.put(key(2), memoryview(second), crc(2, 5000))
+    assert not tier.put(key(1), memoryview(first), crc(1, 3000))  # held already: nothing written
+    linux = sys.platform == "linux"
+    assert calls == [(0, HEADER_BYTES + 3000, linux),
+                     (HEADER_BYTES + 3000, HEADER_BYTES + 5000, linux)]  # fmt: skip
+    tier.close()

@@ -21,6 +21,12 @@ another key's index entry points, e.g. records swapped between keys, is never se
 wrong key). A mismatch is a miss, counted, and the key is dropped from the index and
 tombstoned, so the record is never returned.
 
+Writeback: each record's pages are sent to the device right after it is appended
+(``sync_file_range``, where the platform has it), on the thread that wrote it, which in the
+cache server runs only in the engine's idle moments (``kvkeep.background.give_way``). Left to
+the kernel, dirty pages are flushed 30 s later by its own threads at normal priority, in the
+middle of whatever the engine computes then.
+
 Capacity: whole segments are deleted oldest first (FIFO at segment granularity) until the new
 record fits. RAM sits above this tier, so recency is already served there. A filesystem that
 fills before the configured capacity (ENOSPC) is handled the same way: the failed append is cut
@@ -31,6 +37,7 @@ once more; if that fails too the block is not stored (``put`` raises OSError).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import logging
 import os
@@ -39,7 +46,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from kvkeep.store.base import Found, StoreKey, TierCounters, TierStats, checksum
 from kvkeep.store.diskformat import (
@@ -59,6 +66,30 @@ from kvkeep.store.keyformat import namespace_of
 _MiB = 1 << 20
 
 log = logging.getLogger("kvkeep.store.disk")
+
+SYNC_FILE_RANGE_WRITE = 2  # Linux: start writeback of the range's dirty pages, do not wait
+
+
+def _find_sync_file_range() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _find_sync_file_range()
+
+
+def start_writeback(fd: int, offset: int, length: int) -> bool:
+    """Start writing ``[offset, offset + length)`` of ``fd`` to its device now, on this thread,
+    without waiting for it to land (no durability: that is ``fsync``'s). False where the
+    platform has no ``sync_file_range`` or the call failed; the kernel then flushes later."""
+    if _SYNC_FILE_RANGE is None:
+        return False
+    return _SYNC_FILE_RANGE(fd, offset, length, SYNC_FILE_RANGE_WRITE) == 0  # GIL released
 
 
 @dataclass(frozen=True)
@@ -166,13 +197,17 @@ class DiskTier:
                 return False
             self._make_room(record_bytes)
             try:
-                self._append(KIND_DATA, key, data, checksum)
+                fd, end = self._append(KIND_DATA, key, data, checksum)
             except OSError as exc:
                 if exc.errno != errno.ENOSPC or not self._free_space_after(exc):
                     raise
-                self._append(KIND_DATA, key, data, checksum)  # may raise (counted) again
+                fd, end = self._append(KIND_DATA, key, data, checksum)  # may raise (counted)
             self._counters.bytes_in += len(data)
-            return True
+        # Outside the lock: submitting the I/O may wait for the device's queue, reads may not.
+        # Were the segment deleted meanwhile by another put, a stale ``fd`` costs nothing:
+        # the call fails, or starts the writeback of whichever file now holds the number.
+        start_writeback(fd, end - record_bytes, record_bytes)
+        return True
 
     def evict(self, key: StoreKey) -> bool:
         with self._lock:
@@ -220,8 +255,11 @@ class DiskTier:
     def _active(self) -> _Segment:
         return self._segments[max(self._segments)]
 
-    def _append(self, kind: int, key: StoreKey, data: bytes | memoryview, crc: int) -> None:
-        """Write one record at the end of the active segment, or nothing at all.
+    def _append(
+        self, kind: int, key: StoreKey, data: bytes | memoryview, crc: int
+    ) -> tuple[int, int]:
+        """Write one record at the end of the active segment, or nothing at all; the file
+        descriptor and the offset the record ends at.
 
         A failed or short write (a full filesystem) is cut off the file again, counted in
         ``write_errors`` and raised as OSError, so the segment never holds a torn record.
@@ -243,9 +281,11 @@ class DiskTier:
         self._used += HEADER_BYTES + len(data)
         if kind == KIND_DATA:
             self._index[key] = _Loc(segment.id, record.offset, record.length, crc)
+        written_at = (segment.fd, segment.size)
         if segment.size >= self.config.effective_segment_bytes:
             self._seal(segment)
             self._open_segment(segment.id + 1)
+        return written_at
 
     def _make_room(self, record_bytes: int) -> None:
         while self._used + record_bytes > self.config.capacity_bytes:
