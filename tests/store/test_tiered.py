@@ -9,6 +9,7 @@ from typing import Any
 
 from kvkeep.store.base import Found, StoreKey, TierCounters, TierStats
 from kvkeep.store.disk import DiskConfig, DiskTier
+from kvkeep.store.idlegate import CpuSample, IdleGate
 from kvkeep.store.tiered import ReserveStatus, TieredStore, WriteBehindConfig
 
 from .helpers import crc, key, payload
@@ -138,4 +139,37 @@ def test_a_holder_pins_the_leading_prefix_and_drop_frees_it(
     reserved = store.reserve_missing([key(i) for i in range(100, 108)], BLOCK, writer)
     assert len(reserved) == 8, "every slot can be reused: the holder left nothing pinned"
     store.drop(writer)
+    store.close()
+
+
+def test_write_through_waits_for_an_idle_core_unless_a_flush_or_a_full_queue_hurries_it(
+    make_arena: Any, tmp_path: Path
+) -> None:
+    """A machine whose every core stays busy (the writer's own CPU aside) holds the writes
+    back; a flush sends them at once, and so does a queue three quarters full."""
+
+    def busy() -> IdleGate:
+        t0 = time.monotonic()
+
+        def sample() -> CpuSample:
+            dt = time.monotonic() - t0
+            return CpuSample(2.0 * dt, 0.0, t0 + dt)
+
+        return IdleGate(window_s=0.01, max_wait_s=60, sample=sample, cores=2)
+
+    disk = DiskTier(DiskConfig(str(tmp_path / "d"), capacity_bytes=4 << 20))
+    store = TieredStore(make_arena(EXTENT * 16, EXTENT), [disk], WriteBehindConfig(8), busy)
+    commit(store, 1)
+    time.sleep(0.3)
+    assert disk.stats().counters["bytes_in"] == 0  # still waiting for a spare core
+    for i in range(2, 9):  # past three quarters of 8 queued, the writer goes at once
+        commit(store, i)
+    deadline = time.monotonic() + 5
+    while disk.stats().blocks < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)
+    assert 1 <= disk.stats().blocks < 8  # down to below three quarters, then it waits again
+    t0 = time.monotonic()
+    store.flush()
+    assert time.monotonic() - t0 < 5 and disk.stats().blocks == 8
     store.close()

@@ -20,14 +20,17 @@ import enum
 import itertools
 import logging
 import queue
+import threading
+import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvkeep.background import give_way, start_thread
 from kvkeep.store.base import NullTier, StoreKey, Tier, checksum
+from kvkeep.store.idlegate import IdleGate
 from kvkeep.store.memory import ArenaTier
 from kvkeep.store.slots import INTERNAL, Holder, Offset, Pinned
 
@@ -88,6 +91,7 @@ class _Write(NamedTuple):
     offset: Offset
     length: int
     crc: int
+    queued_at: float  # time.monotonic()
 
 
 class TieredStore:
@@ -97,7 +101,14 @@ class TieredStore:
     in-process callers'); a holder can only commit, abort or unpin what it reserved or pinned.
     """
 
-    def __init__(self, ram: ArenaTier, lower: Sequence[Tier], config: WriteBehindConfig) -> None:
+    def __init__(
+        self,
+        ram: ArenaTier,
+        lower: Sequence[Tier],
+        config: WriteBehindConfig,
+        idle_gate: Callable[[], IdleGate] = IdleGate,
+    ) -> None:
+        """``idle_gate`` makes the writer's gate, on the writer's thread (``_write_loop``)."""
         self._ram = ram
         self._lower = list(lower)
         self.tiers: list[Tier] = [ram, *self._lower]
@@ -113,6 +124,10 @@ class TieredStore:
         self._holders = itertools.count(INTERNAL + 1)
         self._loader = ThreadPoolExecutor(4, thread_name_prefix="kvkeep-load")
         self._queue: queue.Queue[_Write | None] = queue.Queue(config.queue_depth)
+        self._urgent = max(1, config.queue_depth * 3 // 4)  # queued writes that go at once
+        self._hurry = threading.Event()  # a flush waits: write without waiting for idle
+        self._make_gate = idle_gate
+        self._gate: IdleGate | None = None
         self.dropped_writes = 0
         self.write_errors = 0
         self.corrupt_writes = 0  # blocks whose RAM bytes no longer matched at write-through
@@ -206,7 +221,7 @@ class TieredStore:
             return False
         info = self._ram.committed(offset)
         if self._through and info is not None:
-            self._enqueue(_Write(info.key, offset, info.length, crc))
+            self._enqueue(_Write(info.key, offset, info.length, crc, time.monotonic()))
         return True
 
     def release(self, offset: Offset, holder: Holder = INTERNAL) -> None:
@@ -313,8 +328,13 @@ class TieredStore:
         return self._ram.check_integrity()
 
     def flush(self) -> None:
-        """Block until every queued write has reached the lower tiers."""
-        self._queue.join()
+        """Block until every queued write has reached the lower tiers (at once: the writer
+        stops waiting for idle cores while a flush waits)."""
+        self._hurry.set()
+        try:
+            self._queue.join()
+        finally:
+            self._hurry.clear()
 
     def close(self) -> None:
         """Flush, stop the writer, close the lower tiers, remove the arena."""
@@ -338,6 +358,7 @@ class TieredStore:
             "queue_depth": self._queue.qsize(),
             "pending_writes": self._queue.unfinished_tasks,
             "rebuild_s": sum(getattr(t, "rebuild_seconds", 0.0) for t in self._lower),
+            "write_wait_s": self._gate.waited_s if self._gate is not None else 0.0,
         }
 
     # --- plumbing --------------------------------------------------------------------------
@@ -364,13 +385,23 @@ class TieredStore:
 
     def _write_loop(self) -> None:
         give_way()  # never on a request's path: run in the engine's idle moments
+        self._gate = gate = self._make_gate()  # and not while the engine computes
         while (write := self._queue.get()) is not None:
             try:
+                if self._through:  # each write waits for an idle core max_wait_s at most
+                    gate.wait(self._hurry_for(write.queued_at + gate.max_wait_s))
                 self._write_through(write)
             finally:
                 self._ram.unpin(write.offset)
                 self._queue.task_done()
         self._queue.task_done()
+
+    def _hurry_for(self, due: float) -> Callable[[], bool]:
+        return lambda: self._in_a_hurry() or time.monotonic() > due
+
+    def _in_a_hurry(self) -> bool:
+        """A flush waits, or the queue is near the point where writes are dropped."""
+        return self._hurry.is_set() or self._queue.qsize() >= self._urgent
 
     def _spill_evicted(self, key: StoreKey, data: memoryview, crc: int) -> None:
         """RAM's eviction hook: hand the block to the on-evict tiers (they copy it)."""
