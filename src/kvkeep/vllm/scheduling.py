@@ -61,13 +61,9 @@ under half a step. An asynchronous load costs its own request at least one step,
 blocks was a quarter of a cached request's TTFT (S4). Over PCIe with pinned memory 16 MiB is
 under 1 ms. On CPU a background copy takes the same cores as the forward, so it is not free
 for the others either.
-With no other request running, a synchronous load stalls nobody, and "auto" loads every hit
-synchronously then: on 2 cores with AMX and an idle engine (``scripts/async_threshold.py``,
-decode step 3.3 ms), a hit of 16 / 64 / 128 blocks reached its first token in 36 / 44 / 55 ms
-loaded synchronously and in 41 / 57 / 71 ms asynchronously; its synchronous load took 1.9 /
-6.3 / 10.7 ms.
-Set ``load_async_min_blocks`` to a number of blocks (a fixed threshold, others running or
-not), or null for never."""
+With no other request running a synchronous load stalls nobody, so "auto" then loads every
+hit on the step (idle engine, 2 cores with AMX: 64 blocks reached the first token in 44 ms on
+the step, 57 ms in the background). A number of blocks is a fixed threshold; null: never."""
 
 
 @dataclass(frozen=True)
@@ -141,8 +137,7 @@ class ConnectorConfig:
 
     @property
     def sync_when_alone(self) -> bool:
-        """With "auto", a hit loads synchronously, whatever its size, when no other request
-        runs beside it (``LOAD_ASYNC_MIN_BYTES``); a number of blocks is a fixed threshold."""
+        """Whether any hit loads on the step when no other request runs ("auto")."""
         return self.load_async_min_blocks == "auto"
 
 
@@ -375,10 +370,9 @@ class RequestBook:
         return failed
 
     def in_background(self, num_blocks: int, others: int = 1) -> bool:
-        """Whether a load of ``num_blocks`` blocks is asynchronous, with ``others`` requests
-        running beside it. Pure. Small hits stay synchronous: an asynchronous load costs its
-        request at least one extra step. With ``sync_when_alone`` so does every hit that no
-        other request runs beside: a synchronous copy then stalls nobody else's steps."""
+        """Whether a load of ``num_blocks`` blocks, ``others`` requests running beside it, is
+        asynchronous. Pure. Small hits stay synchronous (an asynchronous load costs its request
+        a step or more); with ``sync_when_alone`` so do all that no other request runs beside."""
         threshold = self.load_async_min_blocks
         if self.sync_when_alone and others <= 0:
             return False
