@@ -89,4 +89,6 @@ def test_replicas_share_one_store_and_survive_losing_it(
             for i, (x, y) in enumerate(zip(ref_a, again, strict=True)):
                 assert same_as_hit(y.reply, x.reply), f"turn {i} on {server.url} differs"
         assert remote(cache_b)["errors"] >= 1, "B asked the stopped store and counted it"
+        # Write-through waits for an idle core (up to 5 s): let A's new blocks reach the tier.
+        assert cache_a.wait_sent(60), "A's writes to the stopped store never finished"
         assert remote(cache_a)["dropped_puts"] >= 1, "A's new blocks could not be sent"

@@ -111,11 +111,15 @@ class CacheServer(CacheServerProcess):
             client.close()
 
     def wait_sent(self, timeout_s: float = 120.0) -> bool:
-        """Block until the remote tier's write queue is empty. False on timeout."""
+        """Block until every committed block has been handed on: the write-through queue
+        (which holds blocks back while the engine computes) and the remote tier's send queue
+        are both empty. False on timeout."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            remote = (self.stats() or {}).get("tiers", {}).get("remote")
-            if remote is None or remote.get("queued_bytes", 0) == 0:
+            stats = self.stats() or {}
+            remote = stats.get("tiers", {}).get("remote")
+            behind = stats.get("pending_writes", 0)
+            if behind == 0 and (remote is None or remote.get("queued_bytes", 0) == 0):
                 return True
             time.sleep(0.1)
         return False
