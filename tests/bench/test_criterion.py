@@ -46,3 +46,13 @@ def test_a_tie_seen_only_by_the_candidate_counts() -> None:
 def test_without_alternatives_any_token_difference_fails() -> None:
     cold = Reply([5, 6], [-1.0, -2.0])
     assert not same_as_cold(Reply([5, 8], [-1.0, -2.0]), cold)
+
+
+def test_a_flip_that_moved_the_tokens_more_than_drift_is_no_tie() -> None:
+    """Wrong KV on a flat reply: the candidate's token was within 0.1 of the cold run's
+    choice there, but the candidate gives each token a logprob far from the cold run's."""
+    cold = Reply([5, 6], [-4.5, -4.0], [{5: -4.5, 9: -4.58}, {6: -4.0}])
+    moved = Reply([9, 6], [-4.2, -4.0], [{9: -4.2, 5: -4.25}, {6: -4.0}])
+    assert not same_as_cold(moved, cold)
+    drifted = Reply([9, 6], [-4.56, -4.0], [{9: -4.56, 5: -4.57}, {6: -4.0}])
+    assert same_as_cold(drifted, cold)

@@ -45,6 +45,7 @@ from .engine import (
     assert_wrong_block_shows,
     complete,
     corrupt_stored,
+    decisive_reference,
     plant_wrong_block,
     reference,
     reset_device_cache,
@@ -193,9 +194,10 @@ def test_a_wrong_block_changes_the_reply(rig: Rig) -> None:
     """A block with another block's bytes and a valid checksum, served from kvkeep, gives a
     reply that both rules reject; the untouched prompt beside it passes the strict rule.
     On the async rig this is also the proof that asynchronously loaded blocks are read."""
-    planted, control = rig.prompt(1300), rig.prompt(1300)
     before = rig.counters()
-    refs = [reference(rig.url, ids) for ids in (planted, control)]
+    planted, planted_ref = decisive_reference(rig.url, lambda: rig.prompt(1300))
+    control = rig.prompt(1300)
+    refs = [planted_ref, reference(rig.url, control)]
     for ids in (planted, control):
         complete(rig.url, ids)
         rig.wait_stored(ids, full_blocks(ids))
