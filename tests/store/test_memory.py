@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvkeep.store.memory import ArenaTier
-from kvkeep.store.slots import Holder, Offset
+from kvkeep.store.slots import INTERNAL, Holder, Offset
 
 from .helpers import crc, key, payload
 
@@ -53,6 +53,31 @@ def test_touch_refreshes_recency_without_counting_a_hit(make_arena: Any) -> None
     assert arena.stats().counters["hits"] == 0
     assert put(arena, 4)
     assert arena.contains(key(0)) and not arena.contains(key(1)), "a touched block went first"
+
+
+def test_a_prefix_lookup_and_pin_stop_at_the_first_miss_and_keep_the_head_longest(
+    make_arena: Any,
+) -> None:
+    """The batched calls a LOOKUP and an ACQUIRE run: they stop at the first key RAM lacks,
+    and the prefix they saw ages tail first (a chain without its head is useless)."""
+    arena = make_arena(EXTENT, EXTENT)  # 4 slots of 16 KiB
+    for i in (3, 0, 1, 2):  # 3 oldest, then 0, 1, 2
+        assert put(arena, i)
+    assert arena.touch_prefix([key(9), key(0)]) == 0
+    assert arena.touch_prefix([key(0), key(1), key(2), key(9), key(3)]) == 3
+    assert arena.touch_prefix([key(7), key(0), key(1)], start=1) == 2
+    pinned = arena.pin_prefix([key(2), key(1), key(8), key(0)])
+    assert [arena.committed(p.offset).key for p in pinned] == [key(2), key(1)]  # type: ignore[union-attr]
+    counters = arena.stats().counters
+    assert (counters["hits"], counters["misses"]) == (2, 1)
+    assert not put(arena, 4) or arena.contains(key(2)), "a pinned block was evicted"
+    arena.release_many([p.offset for p in pinned], INTERNAL)
+    # recency, oldest first: 3 (never seen); 0 (touched by both lookups); then the pinned
+    # prefix 2, 1, whose head 2 is most recent of all
+    assert not arena.contains(key(3)), "the put of 4 evicted the oldest, 3"
+    for new, evicted in [(5, 0), (6, 1), (7, 2)]:
+        assert put(arena, new)
+        assert not arena.contains(key(evicted)), f"{evicted} should go when {new} comes"
 
 
 def test_pinned_slots_are_never_evicted(make_arena: Any) -> None:

@@ -146,7 +146,7 @@ class KVKeepClient:
             names = self._arena.tiers if self._arena else ()
             with self._parsing(p.Op.LOOKUP):
                 found = p.LookupReply.decode(reply)
-                return LookupResult(found.num_present, tuple(names[t] for t in found.tiers))
+                return LookupResult(found.num_present, tuple(map(names.__getitem__, found.tiers)))
 
     def touch(self, session: Session, keys: Sequence[BlockKey]) -> None:
         """Refresh the recency of the ``keys`` the server's RAM holds, ``keys[0]`` most (for

@@ -340,8 +340,7 @@ class CacheServer:
         client's checksum: each is re-checked here and, if its bytes really are bad and no
         one else reads it, dropped, so the engine's next save replaces it (otherwise it
         would stay a miss for good: a save skips keys already held)."""
-        for offset in request.slots:
-            self.store.release(offset, conn.holder)
+        self.store.release_many(request.slots, conn.holder)
         for offset in request.corrupt:
             if self.store.discard_corrupt(offset):
                 log.warning("dropped a block whose bytes in RAM failed a client's checksum")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 
 class LruPolicy:
@@ -23,6 +23,14 @@ class LruPolicy:
     def touch(self, slot: int) -> None:
         if slot in self._order:
             self._order.move_to_end(slot)
+
+    def touch_many(self, slots: Iterable[int]) -> None:
+        """``touch`` each of ``slots`` in turn (the last ends most recent)."""
+        order = self._order
+        move = order.move_to_end
+        for slot in slots:
+            if slot in order:
+                move(slot)
 
     def remove(self, slot: int) -> None:
         self._order.pop(slot, None)

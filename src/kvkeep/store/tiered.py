@@ -146,26 +146,30 @@ class TieredStore:
     # --- lookup ----------------------------------------------------------------------------
 
     def lookup(self, keys: Sequence[StoreKey]) -> Lookup:
-        """Longest contiguous present prefix across tiers. RAM hits become most recent (the
-        engine is about to ACQUIRE them), nothing else changes.
+        """Longest contiguous present prefix across tiers. RAM hits become most recent, the
+        first most of all (the engine is about to ACQUIRE them, and a chain's head is what
+        every later prompt needs), nothing else changes.
 
         RAM and local tiers are asked key by key; a tier with ``contains_many`` (the remote)
         is asked once, in one batch, for the keys from the first one no faster tier holds.
         That call may block for up to the remote's timeout (see ``may_block``).
         """
-        # Hot path (1,000-key prompts within a millisecond): bound methods, no generators
-        # while RAM hits.
-        ram_contains = self._ram.touch
+        # Hot path (1,000-key prompts within a millisecond): RAM's run of hits in one call,
+        # the lower tiers asked only where RAM's run ends.
         probes = [(level, _Probe(tier, keys).has) for level, tier in enumerate(self._lower, 1)]
         tiers: list[int] = []
-        for index, key in enumerate(keys):
-            if ram_contains(key):
-                tiers.append(0)
-                continue
+        index = 0
+        while index < len(keys):
+            run = self._ram.touch_prefix(keys, index)
+            tiers += [0] * run
+            index += run
+            if index == len(keys):
+                break
             level = next((lv for lv, has in probes if has(index)), None)
             if level is None:
                 break
             tiers.append(level)
+            index += 1
         return Lookup(len(tiers), tuple(tiers))
 
     @property
@@ -229,6 +233,10 @@ class TieredStore:
         no-op for a slot it neither reserved nor pinned."""
         self._ram.release(offset, holder)
 
+    def release_many(self, offsets: Sequence[Offset], holder: Holder = INTERNAL) -> None:
+        """``release`` each of ``offsets``, under one lock (a RELEASE of a whole load)."""
+        self._ram.release_many(offsets, holder)
+
     def discard_corrupt(self, offset: Offset) -> bool:
         """Drop the unpinned RAM block at ``offset`` if its bytes fail its checksum (so a
         later save can replace it); False, and nothing changes, otherwise."""
@@ -253,13 +261,7 @@ class TieredStore:
     def acquire_resident(self, keys: Sequence[StoreKey], holder: Holder) -> list[Pinned]:
         """Pin for ``holder`` the leading ``keys`` that are in RAM; stops at the first that
         is not. Never blocks: the event loop's fast path."""
-        pinned = []
-        for key in keys:
-            hit = self._ram.pin(key, holder)
-            if hit is None:
-                break
-            pinned.append(hit)
-        return pinned
+        return self._ram.pin_prefix(keys, holder)
 
     def acquire_below(self, keys: Sequence[StoreKey], length: int, holder: Holder) -> list[Pinned]:
         """Pin for ``holder`` the leading present ``keys``, promoting each from a lower tier.
