@@ -187,10 +187,13 @@ class KVKeepClient:
         with self._op():
             reply = self._call_ns(session, lambda ns: p.AcquireRequest(tuple(keys), ns))
             with self._parsing(p.Op.ACQUIRE):
-                slots = p.AcquireReply.decode(reply).slots
+                rows = p.AcquireReply.rows(reply)
+                assert self._arena is not None
+                length, instance = session.block_bytes, self._arena.instance
+                # one tuple a slot and no call: a 7,200-block load's reply is read on the step
                 return [
-                    self._slot(k, s.offset, session, s.checksum)
-                    for k, s in zip(keys, slots, strict=False)
+                    SlotRef(k, o, length, c, instance)
+                    for k, (o, c) in zip(keys, rows, strict=False)
                 ]
 
     def release(

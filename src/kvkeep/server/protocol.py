@@ -228,6 +228,10 @@ def arg_int_list(args: dict[str, Any], name: str, width: int) -> list[Any]:
     items = args.get(name)
     if not isinstance(items, list) or len(items) > MAX_KEYS_PER_REQUEST:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"{name} must be a list")
+    # the hot path (RELEASE of a whole load), in C loops: exact ints, within range
+    flat = width == 1 and set(map(type, items)) <= {int}
+    if flat and (not items or (min(items) >= 0 and max(items) <= MAX_WIRE_INT)):
+        return items
     for item in items:
         row = [item] if width == 1 else item
         if not isinstance(row, list) or len(row) != width or not all(map(_wire_uint, row)):
@@ -423,7 +427,13 @@ class AcquireReply(_Message):
 
     @classmethod
     def decode(cls, result: dict[str, Any]) -> Self:
-        return cls(tuple(map(ChecksummedSlot._make, _uint_pairs(result["slots"]))))
+        return cls(tuple(map(ChecksummedSlot._make, cls.rows(result))))
+
+    @staticmethod
+    def rows(result: dict[str, Any]) -> list[Any]:
+        """The checked (offset, checksum) pairs of a reply, as the lists msgpack built: what
+        ``decode`` makes slots of, for a caller that builds its own from them."""
+        return _uint_pairs(result["slots"])
 
 
 @dataclass(frozen=True)

@@ -333,7 +333,7 @@ class CacheServer:
             pinned += await loop.run_in_executor(
                 self._io_pool, self.store.acquire_below, rest, ns.block_bytes, conn.holder
             )
-        return p.AcquireReply(tuple(p.ChecksummedSlot(h.offset, h.checksum) for h in pinned))
+        return p.AcquireReply(tuple(p.ChecksummedSlot(o, c) for o, _, c in pinned))
 
     def _release(self, conn: _Connection, request: p.ReleaseRequest) -> p.EmptyReply:
         """Unpin or abandon ``slots``. ``corrupt`` names pinned slots whose bytes failed the
