@@ -81,3 +81,23 @@ def test_a_stats_request_may_ask_for_the_integrity_check() -> None:
     assert p.decode_message(p.Request(1, p.Op.STATS, {"integrity": True}), 0) == p.StatsRequest(
         True
     )
+
+
+@pytest.mark.parametrize(
+    "op,args",
+    [
+        (p.Op.RELEASE, {"slots": [64, -1]}),
+        (p.Op.RELEASE, {"slots": [64, True]}),
+        (p.Op.RELEASE, {"slots": [64.0]}),
+        (p.Op.RELEASE, {"slots": [2**64]}),
+        (p.Op.RELEASE, {"slots": [64], "corrupt": [[64]]}),
+        (p.Op.LOOKUP, {"ns": 0, "keys": [b"k" * 32, b"k" * 31]}),
+        (p.Op.LOOKUP, {"ns": 0, "keys": [b"k" * 32, "k" * 32]}),
+    ],
+)
+def test_lists_checked_in_bulk_still_refuse_a_bad_item(op: p.Op, args: dict[str, Any]) -> None:
+    """Key and offset lists are checked with C loops on the hot path; one bad item among
+    good ones is still a BAD_REQUEST."""
+    with pytest.raises(p.ProtocolError) as refused:
+        p.decode_message(p.Request(1, op, args), announced=1)
+    assert refused.value.code is p.ErrorCode.BAD_REQUEST
