@@ -4,14 +4,17 @@
 #   scripts/gpu-check.sh [MODEL_DIR]
 #
 # Uses the repository's own source (PYTHONPATH=src, nothing to install) and the machine's
-# Python packages: torch with CUDA, numpy, msgpack; for the end-to-end smoke also a CUDA
+# Python packages: torch with CUDA, numpy, msgpack, xxhash; for the end-to-end smoke also a CUDA
 # vLLM, tokenizers and a model directory (MODEL_DIR, else .cache/tiny-model, else one is
 # generated with `kvkeep model tiny`, which needs no network). PYTHON picks the interpreter.
 #
 # Measures pinned and pageable host<->device bandwidth; kvkeep's per-step save and load
 # bandwidth for 16-token blocks in LBNHC, LBHNC and BLHNC (the layouts vLLM uses on CUDA,
 # FlashInfer on Blackwell included) through the connector's own CUDA mover, each checked to
-# round-trip exactly; and the end-to-end smoke (scripts/gpu_smoke.py). Prints one JSON line.
+# round-trip exactly; a verified load as the connector runs it (every checksum on the CUDA
+# mover's threads, then the copy); checksum GB/s on 1, 2, 4 and 8 threads (what the CUDA
+# mover's thread count should be); and the end-to-end smoke (scripts/gpu_smoke.py). Prints
+# one JSON line.
 #
 # Exit status: 0 every check ran and passed; 1 a check failed (see the JSON); 2 no CUDA
 # device (the JSON says "no CUDA device"); 3 a package is missing (the JSON names it).
@@ -22,7 +25,7 @@ export PYTHONPATH="$PWD/src:$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}"
 
 missing=$("$PY" - <<'EOF'
 import importlib.util
-need = ["torch", "numpy", "msgpack"]
+need = ["torch", "numpy", "msgpack", "xxhash"]
 print(" ".join(m for m in need if importlib.util.find_spec(m) is None))
 EOF
 )

@@ -2,10 +2,11 @@
 
 Prints one JSON line. With ``--device cuda`` (the default): pinned and pageable host<->device
 bandwidth, kvkeep's per-step save and load bandwidth for 16-token blocks in each layout vLLM
-uses on CUDA (through ``kvkeep.vllm.cuda.CudaMover``, the connector's own code), and, if a
-CUDA vLLM imports, an end-to-end smoke test (``--smoke``). With ``--device cpu``: the same
-layout figures for a KV cache in host memory (``kvkeep.vllm.transfer.Mover``), beside the old
-block-by-block, layer-by-layer loop.
+uses on CUDA (through ``kvkeep.vllm.cuda.CudaMover``, the connector's own code), a verified
+load as the loader runs it (every checksum, then the copy), checksum GB/s by thread count,
+and, if a CUDA vLLM imports, an end-to-end smoke test (``--smoke``). With ``--device cpu``:
+the same layout figures for a KV cache in host memory (``kvkeep.vllm.transfer.Mover``),
+beside the old block-by-block, layer-by-layer loop.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import mmap
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -21,9 +23,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvkeep.store.base import checksum
 from kvkeep.vllm.cuda import CudaMover
 from kvkeep.vllm.layout import KVLayout, LayoutDescription
 from kvkeep.vllm.transfer import Mover, region_of
+from kvkeep.vllm.verify import SlotVerifier, default_threads
 
 # physical axis order of logical [L, B, H, N, C] (vllm/v1/kv_cache_layout.py)
 STRIDE_ORDER = {"LBNHC": (0, 1, 3, 2, 4), "LBHNC": (0, 1, 2, 3, 4), "BLHNC": (1, 0, 2, 3, 4)}
@@ -92,9 +96,40 @@ def layout_figures(
     out = {"fused": kv.fused, "block_bytes": kv.block_bytes, "batch_blocks": batch,
            "save_gbps": nbytes / save / 1e9, "load_gbps": nbytes / load / 1e9,
            "round_trip_exact": bool(torch.equal(check, rows))}  # fmt: skip
+    # a load as the connector's loader runs it: every checksum (on the mover's threads), then
+    # the copy in
+    views, crcs = [s.data for s in slots], [checksum(s.data) for s in slots]
+    verifier = SlotVerifier(mover.verify_threads)
+
+    def verified_load() -> None:
+        assert verifier.first_bad(views, crcs) == len(views)
+        mover.scatter(kv, targets, slots)
+
+    out["verify_threads"] = verifier.threads
+    out["verified_load_gbps"] = nbytes / timed(verified_load, 5, sync) / 1e9
+    verifier.close()
     if old:
         out["old_loop_save_gbps"] = nbytes / timed(lambda: old_save(kv, ids, slots), 3, sync) / 1e9
         out["old_loop_load_gbps"] = nbytes / timed(lambda: old_load(kv, ids, slots), 3, sync) / 1e9
+    return out
+
+
+def verify_figures(block_bytes: int, blocks: int) -> dict[str, float]:
+    """GB/s of a load's checksums over ``blocks`` arena slots, by thread count (up to the
+    cores this process may use): what ``kvkeep.vllm.verify.default_threads`` should pick."""
+    arena = mmap.mmap(-1, blocks * block_bytes)
+    np.frombuffer(arena, np.uint8)[:] = 7
+    views = [memoryview(arena)[j * block_bytes : (j + 1) * block_bytes] for j in range(blocks)]
+    crcs = [checksum(v) for v in views]
+    out = {}
+    for threads in (1, 2, 4, 8):
+        if threads > max(1, len(os.sched_getaffinity(0))):
+            break
+        verifier = SlotVerifier(threads, min_parallel_bytes=0)
+        seconds = timed(lambda v=verifier: v.first_bad(views, crcs), 3, lambda: None)
+        out[f"threads_{threads}_gbps"] = blocks * block_bytes / seconds / 1e9
+        verifier.close()
+    out["default_threads"] = default_threads()
     return out
 
 
@@ -143,6 +178,8 @@ def main(argv: list[str]) -> int:
         name: layout_figures(name, shape, args.batch, args.device, args.old)
         for name in STRIDE_ORDER
     }
+    block_bytes = next(iter(result["layouts"].values()))["block_bytes"]
+    result["verify"] = verify_figures(block_bytes, args.batch)
     ok = all(v["round_trip_exact"] for v in result["layouts"].values())
     if args.smoke_model:
         from gpu_smoke import smoke  # a CUDA vLLM, the cache server and the model

@@ -15,6 +15,7 @@ from kvkeep.vllm.layout import KVLayout
 from kvkeep.vllm.loader import BackgroundLoads, BlockLoader, LoadResult
 from kvkeep.vllm.scheduling import BlockTransfer, Counters, RequestLoad
 from kvkeep.vllm.transfer import Mover
+from kvkeep.vllm.verify import SlotVerifier
 from serverproc import Server
 
 
@@ -126,10 +127,10 @@ class _RunsOf(Mover):
 def test_a_corrupt_block_in_a_later_run_stops_the_copy_there(server: Server) -> None:
     """Runs of two blocks, block 3 corrupt: the first run and block 2 are copied in, block 3
     and everything after it are not written and are reported failed; so is the same load
-    verified all at once (no run size, as on CUDA)."""
+    verified all at once (no run size, as on CUDA), on one thread and split over three."""
     client = KVKeepClient(server.socket, timeout_s=2.0)
     stored: list[bytes] = []
-    for mover_blocks in (2, None):
+    for mover_blocks, threads in ((2, 1), (None, 1), (None, 3)):
         source, session, blocks = stored_blocks(server, 6)  # block 3 again, once dropped
         stored = stored or [block_bytes(source, i) for i in range(3)]  # the server keeps these
         slots = client.acquire(session, [blocks[3].key])
@@ -144,12 +145,14 @@ def test_a_corrupt_block_in_a_later_run_stops_the_copy_there(server: Server) -> 
             mover.verify_run_bytes = None
         loader = BlockLoader(KVKeepClient(server.socket, timeout_s=2.0), target, mover,
                              counters.add, counters.timed)  # fmt: skip
+        loader.verifier = SlotVerifier(threads, min_parallel_bytes=0)
         request = RequestLoad("r", tuple(BlockTransfer(i, b.key) for i, b in enumerate(blocks)))
         assert loader.load(session, request) == 3
         assert [block_bytes(target, i) for i in range(3)] == stored
         assert [block_bytes(target, i) for i in range(3, 6)] == untouched[3:]
         assert client.lookup(session, [b.key for b in blocks]).num_present == 3  # 3 dropped
         assert counters.values["verify_s"] > 0 and counters.values["copy_in_s"] > 0
+        loader.verifier.close()
         loader.client.close()
     client.close()
     assert arena_problems(server) == []

@@ -30,6 +30,7 @@ import torch
 
 from kvkeep.vllm.layout import KVLayout
 from kvkeep.vllm.transfer import ArenaRegion, Fence, Mover, Wait
+from kvkeep.vllm.verify import default_threads
 
 log = logging.getLogger("vllm.kvkeep")
 
@@ -48,6 +49,8 @@ class CudaMover(Mover):
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        # one core hashes slower than PCIe copies: a load's checksums run on several threads
+        self.verify_threads = default_threads()
         self.stream = torch.cuda.Stream(device)
         self.load_stream = torch.cuda.Stream(device)  # asynchronous loads, off the step
         self._pinned: ArenaRegion | None = None

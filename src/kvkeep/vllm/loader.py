@@ -33,6 +33,7 @@ from kvkeep.server.client import CacheUnavailable, KVKeepClient, Session, SlotRe
 from kvkeep.vllm.layout import KVLayout
 from kvkeep.vllm.scheduling import BlockTransfer, RequestLoad
 from kvkeep.vllm.transfer import Fence, Mover, region_of
+from kvkeep.vllm.verify import SlotVerifier
 
 log = logging.getLogger("vllm.kvkeep")
 
@@ -61,6 +62,7 @@ class BlockLoader:
     ) -> None:
         self.client, self.layout, self.mover = client, layout, mover
         self._count, self._timed = count, timed
+        self.verifier = SlotVerifier(mover.verify_threads)
 
     def load(self, session: Session, request: RequestLoad, after: Fence | bool = False) -> int:
         """How many leading blocks of ``request`` were verified and copied in (0 when the copy
@@ -114,10 +116,12 @@ class BlockLoader:
         """How many leading slots hold their block's key and pass their checksum."""
         t0 = time.perf_counter()
         try:
-            for i, (block, slot) in enumerate(zip(blocks, slots, strict=False)):
-                if slot.key != block.key or not self.client.verify(slot):
-                    return i
-            return len(slots)
+            keyed = next(
+                (i for i, (b, s) in enumerate(zip(blocks, slots, strict=False)) if s.key != b.key),
+                min(len(blocks), len(slots)),
+            )
+            views = [self.client.slot_view(s).data for s in slots[:keyed]]
+            return self.verifier.first_bad(views, [s.checksum for s in slots[:keyed]])
         finally:
             self._count("verify_s", time.perf_counter() - t0)
 
@@ -200,4 +204,5 @@ class BackgroundLoads:
         """Finish the queued loads (bounded), stop the thread, close the connection."""
         self._jobs.put(None)
         self._thread.join(timeout=timeout_s)
+        self.loader.verifier.close()
         self.loader.client.close()

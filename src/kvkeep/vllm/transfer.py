@@ -50,6 +50,9 @@ class Mover:
     # A load verifies and copies in runs of about this many bytes, each copied while its
     # bytes are still in cache from their checksum (None: verify all, then copy once).
     verify_run_bytes: int | None = 1 << 20
+    # Threads a load's checksums run on (``kvkeep.vllm.verify``): one here, where the runs
+    # are small and the cores are the forward's.
+    verify_threads: int = 1
 
     def pin_arena(self, region: ArenaRegion | None) -> None:
         """Make the cache server's arena fast to copy from (a no-op in host memory)."""

@@ -327,4 +327,6 @@ class WorkerSide:
             self.background.shutdown()
         if self.saver is not None:
             self.saver.shutdown()
+        if self.loader is not None:
+            self.loader.verifier.close()
         self.client.close()
