@@ -187,7 +187,7 @@ class KVKeepClient:
         with self._op():
             reply = self._call_ns(session, lambda ns: p.AcquireRequest(tuple(keys), ns))
             with self._parsing(p.Op.ACQUIRE):
-                rows = p.AcquireReply.rows(reply)
+                rows = p.uint_pairs(reply["slots"])  # checked [offset, checksum] rows
                 assert self._arena is not None
                 length, instance = session.block_bytes, self._arena.instance
                 # one tuple a slot and no call: a 7,200-block load's reply is read on the step

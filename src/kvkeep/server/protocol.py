@@ -228,8 +228,7 @@ def arg_int_list(args: dict[str, Any], name: str, width: int) -> list[Any]:
     items = args.get(name)
     if not isinstance(items, list) or len(items) > MAX_KEYS_PER_REQUEST:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"{name} must be a list")
-    # the hot path (RELEASE of a whole load), in C loops: exact ints, within range
-    flat = width == 1 and set(map(type, items)) <= {int}
+    flat = width == 1 and set(map(type, items)) <= {int}  # hot (RELEASE): C loops
     if flat and (not items or (min(items) >= 0 and max(items) <= MAX_WIRE_INT)):
         return items
     for item in items:
@@ -249,10 +248,9 @@ def _offsets(args: dict[str, Any], name: str) -> tuple[Offset, ...]:
     return tuple(arg_int_list(args, name, 1))  # checked ints: Offset is int at run time
 
 
-def _uint_pairs(rows: list[Any]) -> list[Any]:
-    """``rows`` if its pairs are non-negative ints (the client maps the offsets it reads
-    here, so this much is checked even on the hot path); else ProtocolError, or ValueError
-    or TypeError for rows that are not pairs."""
+def uint_pairs(rows: list[Any]) -> list[Any]:
+    """``rows`` if its pairs are non-negative ints (checked even on the hot path: the client
+    maps these offsets); else ProtocolError, or ValueError/TypeError if not pairs."""
     if not all(type(a) is int and type(b) is int and a >= 0 and b >= 0 for a, b in rows):
         raise ProtocolError(ErrorCode.MALFORMED, "slot rows must be pairs of non-negative ints")
     return rows
@@ -386,7 +384,7 @@ class ReserveReply(_Message):
 
     @classmethod
     def decode(cls, result: dict[str, Any]) -> Self:
-        return cls(tuple(map(ReservedSlot._make, _uint_pairs(result["slots"]))))
+        return cls(tuple(map(ReservedSlot._make, uint_pairs(result["slots"]))))
 
 
 class ChecksummedSlot(NamedTuple):
@@ -427,13 +425,7 @@ class AcquireReply(_Message):
 
     @classmethod
     def decode(cls, result: dict[str, Any]) -> Self:
-        return cls(tuple(map(ChecksummedSlot._make, cls.rows(result))))
-
-    @staticmethod
-    def rows(result: dict[str, Any]) -> list[Any]:
-        """The checked (offset, checksum) pairs of a reply, as the lists msgpack built: what
-        ``decode`` makes slots of, for a caller that builds its own from them."""
-        return _uint_pairs(result["slots"])
+        return cls(tuple(map(ChecksummedSlot._make, uint_pairs(result["slots"]))))
 
 
 @dataclass(frozen=True)
