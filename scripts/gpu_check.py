@@ -96,17 +96,36 @@ def layout_figures(
     out = {"fused": kv.fused, "block_bytes": kv.block_bytes, "batch_blocks": batch,
            "save_gbps": nbytes / save / 1e9, "load_gbps": nbytes / load / 1e9,
            "round_trip_exact": bool(torch.equal(check, rows))}  # fmt: skip
-    # a load as the connector's loader runs it: every checksum (on the mover's threads), then
+    # a load as the connector's loader runs it: the checksums on the mover's threads beside
     # the copy in
     views, crcs = [s.data for s in slots], [checksum(s.data) for s in slots]
     verifier = SlotVerifier(mover.verify_threads)
 
-    def verified_load() -> None:
-        assert verifier.first_bad(views, crcs) == len(views)
-        mover.scatter(kv, targets, slots)
+    def verified_load(expected: list[int] = crcs) -> int:
+        check = verifier.start(views, expected)
+        return mover.scatter_checked(kv, targets, slots, check)
 
     out["verify_threads"] = verifier.threads
     out["verified_load_gbps"] = nbytes / timed(verified_load, 5, sync) / 1e9
+    # a slot that misses its checksum: the load stops there; on CUDA its bytes and the later
+    # slots' never reach the KV cache (the host writes them and reports them failed)
+    bad = batch // 2
+    before = torch.empty_like(rows)
+    kv_targets = torch.tensor(targets).to(device)
+    mover.gather(kv, kv_targets, before)()
+    rng = np.random.default_rng(2)
+    for j in range(batch):
+        slots[j][:] = rng.integers(0, 255, kv.block_bytes, dtype=np.uint8)
+    expected = [checksum(s.data) for s in slots]
+    expected[bad] ^= 1
+    out["bad_slot_load_stops_there"] = verified_load(expected) == bad
+    sync()
+    after = torch.empty_like(rows)
+    mover.gather(kv, kv_targets, after)()
+    written = [j for j in range(batch) if not torch.equal(after[j], before[j])]
+    out["bad_slot_blocks_written"] = f"{len(written)} of {batch} (bad one: {bad})"
+    if device.startswith("cuda"):
+        out["bad_bytes_kept_out"] = written == list(range(bad))
     verifier.close()
     if old:
         out["old_loop_save_gbps"] = nbytes / timed(lambda: old_save(kv, ids, slots), 3, sync) / 1e9
@@ -180,7 +199,12 @@ def main(argv: list[str]) -> int:
     }
     block_bytes = next(iter(result["layouts"].values()))["block_bytes"]
     result["verify"] = verify_figures(block_bytes, args.batch)
-    ok = all(v["round_trip_exact"] for v in result["layouts"].values())
+    ok = all(
+        v["round_trip_exact"]
+        and v["bad_slot_load_stops_there"]
+        and v.get("bad_bytes_kept_out", True)
+        for v in result["layouts"].values()
+    )
     if args.smoke_model:
         from gpu_smoke import smoke  # a CUDA vLLM, the cache server and the model
 

@@ -117,20 +117,13 @@ def test_submit_never_waits_for_the_server(server: Server) -> None:
     assert arena_problems(server) == []
 
 
-class _RunsOf(Mover):
-    """The host mover, verifying and copying ``blocks`` blocks at a time."""
-
-    def __init__(self, layout: KVLayout, blocks: int) -> None:
-        self.verify_run_bytes = blocks * layout.block_bytes
-
-
-def test_a_corrupt_block_in_a_later_run_stops_the_copy_there(server: Server) -> None:
-    """Runs of two blocks, block 3 corrupt: the first run and block 2 are copied in, block 3
-    and everything after it are not written and are reported failed; so is the same load
-    verified all at once (no run size, as on CUDA), on one thread and split over three."""
+def test_a_corrupt_block_stops_the_load_there(server: Server) -> None:
+    """Block 3 of 6 corrupt: the load reports 3, blocks 0-2 hold their stored bytes, and the
+    server drops block 3; whether the checksums ran on the loader's thread after its copy or
+    on helper threads beside it (one, or two and the loader's thread)."""
     client = KVKeepClient(server.socket, timeout_s=2.0)
     stored: list[bytes] = []
-    for mover_blocks, threads in ((2, 1), (None, 1), (None, 3)):
+    for threads in (1, 2, 3):
         source, session, blocks = stored_blocks(server, 6)  # block 3 again, once dropped
         stored = stored or [block_bytes(source, i) for i in range(3)]  # the server keeps these
         slots = client.acquire(session, [blocks[3].key])
@@ -138,18 +131,13 @@ def test_a_corrupt_block_in_a_later_run_stops_the_copy_there(server: Server) -> 
         view[-8:] = np.bitwise_not(view[-8:])
         client.release(slots)
         target = engine()
-        untouched = [block_bytes(target, i) for i in range(6)]
         counters = Counters()
-        mover = _RunsOf(target, mover_blocks) if mover_blocks else Mover()
-        if mover_blocks is None:
-            mover.verify_run_bytes = None
-        loader = BlockLoader(KVKeepClient(server.socket, timeout_s=2.0), target, mover,
+        loader = BlockLoader(KVKeepClient(server.socket, timeout_s=2.0), target, Mover(),
                              counters.add, counters.timed)  # fmt: skip
-        loader.verifier = SlotVerifier(threads, min_parallel_bytes=0)
+        loader.verifier = SlotVerifier(threads, 0, 0, part_bytes=1)  # a part per slot
         request = RequestLoad("r", tuple(BlockTransfer(i, b.key) for i, b in enumerate(blocks)))
         assert loader.load(session, request) == 3
         assert [block_bytes(target, i) for i in range(3)] == stored
-        assert [block_bytes(target, i) for i in range(3, 6)] == untouched[3:]
         assert client.lookup(session, [b.key for b in blocks]).num_present == 3  # 3 dropped
         assert counters.values["verify_s"] > 0 and counters.values["copy_in_s"] > 0
         loader.verifier.close()

@@ -8,9 +8,10 @@
   vLLM may reuse the blocks once they are read, without the CPU waiting), then copies the
   staging buffer to pinned host rows with one non-blocking DMA; the saver's thread waits for
   that copy's event before it checksums and commits.
-- A load copies each verified slot to device staging (one DMA per block, from pinned memory),
-  waits for those copies (the slots are unpinned right after), then scatters with one
-  ``index_copy_`` that the engine's stream waits for.
+- A load copies its slots to device staging (one DMA per block, from pinned memory) while
+  the host checks their checksums on several threads, then scatters the slots that passed
+  with one ``index_copy_`` that the engine's stream waits for (a bad slot's bytes never reach
+  the KV cache), and waits for the copies (the slots are unpinned right after).
 - An asynchronous load (vLLM's ``load_async``) does the same on a second side stream, from
   the loader's thread: it waits for a fence event recorded on the engine's stream when the
   load was started (blocks just allocated may still be read by earlier kernels), and the
@@ -30,7 +31,7 @@ import torch
 
 from kvkeep.vllm.layout import KVLayout
 from kvkeep.vllm.transfer import ArenaRegion, Fence, Mover, Wait
-from kvkeep.vllm.verify import default_threads
+from kvkeep.vllm.verify import Check, default_threads
 
 log = logging.getLogger("vllm.kvkeep")
 
@@ -44,8 +45,6 @@ def mover_for(layout: KVLayout) -> Mover:
 
 class CudaMover(Mover):
     """Batched, stream-ordered copies for a KV cache on one CUDA device (one per rank)."""
-
-    verify_run_bytes = None  # one batched DMA per load, after every checksum
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -72,54 +71,64 @@ class CudaMover(Mover):
         engine.wait_event(read)  # vLLM may overwrite the blocks only after they were read
         return landed.synchronize
 
-    def scatter(
-        self, layout: KVLayout, block_ids: Sequence[int], slots: Sequence[np.ndarray]
-    ) -> None:
-        if not slots:
-            return
-        engine = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(engine)
-        with torch.cuda.stream(self.stream):
-            staged = torch.empty(
-                len(slots), layout.block_bytes, dtype=torch.uint8, device=self.device
-            )
-            for j, slot in enumerate(slots):
-                staged[j].copy_(torch.from_numpy(slot), non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(self.stream)
-            ids = torch.tensor(list(block_ids), dtype=torch.int64).to(
-                self.device, non_blocking=True
-            )
-            layout.scatter_blocks(ids, staged)
-        copied.synchronize()  # the slots are unpinned as soon as this returns
-        engine.wait_stream(self.stream)  # the forward reads the blocks after the scatter
-
     def fence(self) -> Fence:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         return event
 
+    def scatter(
+        self, layout: KVLayout, block_ids: Sequence[int], slots: Sequence[np.ndarray]
+    ) -> None:
+        self.scatter_checked(layout, block_ids, slots, Check.passed(len(slots)))
+
     def scatter_background(
         self, layout: KVLayout, block_ids: Sequence[int], slots: Sequence[np.ndarray], after: Fence
     ) -> None:
-        if not slots:
-            return
-        stream = self.load_stream
+        self.scatter_checked(layout, block_ids, slots, Check.passed(len(slots)), after)
+
+    def scatter_checked(
+        self,
+        layout: KVLayout,
+        block_ids: Sequence[int],
+        slots: Sequence[np.ndarray],
+        check: Check,
+        after: Fence | bool = False,
+    ) -> int:
+        """One batched DMA of the slots into device staging rows; the host waits for the
+        checksums while it runs, then only the slots that passed are scattered into the KV
+        cache, so a bad slot's bytes never reach it. On the step (``after`` False) on
+        ``stream``, after the engine's work so far, and the engine's stream waits for the
+        scatter; off it on ``load_stream``, after ``after``, and this waits for the scatter."""
+        on_step = after is False
+        stream = self.stream if on_step else self.load_stream
+        engine = torch.cuda.current_stream(self.device)
+        copied = torch.cuda.Event()
+        try:
+            with torch.cuda.device(self.device), torch.cuda.stream(stream):
+                if on_step:
+                    stream.wait_stream(engine)
+                elif isinstance(after, torch.cuda.Event):
+                    stream.wait_event(after)
+                staged = torch.empty(
+                    len(slots), layout.block_bytes, dtype=torch.uint8, device=self.device
+                )
+                for j, slot in enumerate(slots):
+                    staged[j].copy_(torch.from_numpy(slot), non_blocking=True)
+                copied.record(stream)
+        finally:
+            good = check.result()  # the checksums run on the host while the DMA does
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            if isinstance(after, torch.cuda.Event):
-                stream.wait_event(after)
-            staged = torch.empty(
-                len(slots), layout.block_bytes, dtype=torch.uint8, device=self.device
-            )
-            for j, slot in enumerate(slots):
-                staged[j].copy_(torch.from_numpy(slot), non_blocking=True)
-            ids = torch.tensor(list(block_ids), dtype=torch.int64).to(
-                self.device, non_blocking=True
-            )
-            layout.scatter_blocks(ids, staged)
+            if good:
+                ids = torch.tensor(list(block_ids[:good]), dtype=torch.int64)
+                layout.scatter_blocks(ids.to(self.device, non_blocking=True), staged[:good])
             done = torch.cuda.Event()
             done.record(stream)
-        done.synchronize()  # the slots are unpinned, and the request reported, after this
+        copied.synchronize()  # the slots are unpinned as soon as this returns
+        if on_step:
+            engine.wait_stream(stream)  # the forward reads the blocks after the scatter
+        else:
+            done.synchronize()  # the request is reported after this
+        return good
 
     def pin_arena(self, region: ArenaRegion | None) -> None:
         """Register ``region`` as pinned host memory, once per cache-server instance; the

@@ -2,7 +2,7 @@
 
 ``BlockLoader.load`` is one request's load on one connection::
 
-    ACQUIRE keys (pins) -> verify each slot's checksum -> copy the verified prefix in -> RELEASE
+    ACQUIRE keys (pins) -> copy the slots in, their checksums beside the copy -> RELEASE
 
 RELEASE is sent without waiting for its reply (read before the connection's next call).
 
@@ -31,7 +31,7 @@ from typing import NamedTuple
 from kvkeep.background import start_thread, unbind
 from kvkeep.server.client import CacheUnavailable, KVKeepClient, Session, SlotRef
 from kvkeep.vllm.layout import KVLayout
-from kvkeep.vllm.scheduling import BlockTransfer, RequestLoad
+from kvkeep.vllm.scheduling import RequestLoad
 from kvkeep.vllm.transfer import Fence, Mover, region_of
 from kvkeep.vllm.verify import SlotVerifier
 
@@ -92,51 +92,27 @@ class BlockLoader:
     def _verify_and_copy(
         self, request: RequestLoad, slots: Sequence[SlotRef], after: Fence | bool
     ) -> int:
-        """Verify the slots and copy the leading good ones in; how many that is. In runs of
-        about ``Mover.verify_run_bytes``: a run is copied right after its checksums, while
-        its bytes are still in the CPU's cache (on 2 cores a 64-block load of 16 MiB read the
-        arena once instead of twice); a mover without a run size verifies all, then copies
-        once (one batched DMA)."""
+        """Copy the slots in while their checksums run beside the copy (``SlotVerifier``,
+        ``Mover.scatter_checked``); how many leading slots hold their block's key and passed.
+        The engine blocks from there on are reported failed, whatever the copy put in them."""
         mapping = self.client.arena_mapping()
         if mapping is not None:
             self.mover.pin_arena(region_of(*mapping))
-        run = self.mover.verify_run_bytes
-        step = max(1, run // max(self.layout.block_bytes, 1)) if run else max(1, len(slots))
-        good = 0
-        for start in range(0, len(slots), step):
-            chunk = slots[start : start + step]
-            ok = self._verified(request.blocks[start:], chunk)
-            self._copy_in(request.blocks[start : start + ok], chunk[:ok], after)
-            good += ok
-            if ok < len(chunk):
-                break
-        return good
-
-    def _verified(self, blocks: Sequence[BlockTransfer], slots: Sequence[SlotRef]) -> int:
-        """How many leading slots hold their block's key and pass their checksum."""
+        pairs = zip(request.blocks, slots, strict=False)
+        whole = min(len(request.blocks), len(slots))
+        keyed = next((i for i, (b, s) in enumerate(pairs) if s.key != b.key), whole)
+        if keyed == 0:
+            return 0
+        views = [self.client.slot_view(s) for s in slots[:keyed]]
+        ids = [b.block_id for b in request.blocks[:keyed]]
         t0 = time.perf_counter()
+        check = self.verifier.start([v.data for v in views], [s.checksum for s in slots[:keyed]])
         try:
-            keyed = next(
-                (i for i, (b, s) in enumerate(zip(blocks, slots, strict=False)) if s.key != b.key),
-                min(len(blocks), len(slots)),
-            )
-            views = [self.client.slot_view(s).data for s in slots[:keyed]]
-            return self.verifier.first_bad(views, [s.checksum for s in slots[:keyed]])
+            return self.mover.scatter_checked(self.layout, ids, views, check, after)
         finally:
-            self._count("verify_s", time.perf_counter() - t0)
-
-    def _copy_in(
-        self, blocks: Sequence[BlockTransfer], slots: Sequence[SlotRef], after: Fence | bool
-    ) -> None:
-        if not slots:
-            return
-        views = [self.client.slot_view(s) for s in slots]
-        ids = [b.block_id for b in blocks]
-        with self._timed("copy_in_s"):
-            if after is False:
-                self.mover.scatter(self.layout, ids, views)
-            else:
-                self.mover.scatter_background(self.layout, ids, views, after)
+            check.result()  # no helper reads a slot once this returns: the pins may go
+            self._count("verify_s", check.caller_s)
+            self._count("copy_in_s", time.perf_counter() - t0 - check.caller_s)
 
     def _release(self, slots: Sequence[SlotRef], corrupt: Sequence[SlotRef] = ()) -> None:
         if not slots:

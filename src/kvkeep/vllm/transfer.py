@@ -18,11 +18,15 @@ import numpy as np
 import torch
 
 from kvkeep.vllm.layout import KVLayout
+from kvkeep.vllm.verify import Check, host_threads
 
 Wait = Callable[[], None]
 Fence = object | None
 """The engine's work issued so far, marked on the step's thread (a CUDA event; None on the
 host, where every engine op has finished when the step's Python code runs)."""
+
+
+RUN_BYTES = 1 << 20  # a host load copies, then checks, this much at a time (a core's L2)
 
 
 class ArenaRegion(NamedTuple):
@@ -47,12 +51,11 @@ class Mover:
     """Copies for a KV cache in host memory. Every method blocks until its copy is done
     (``gather`` returns an already finished wait) and raises only on a bad buffer."""
 
-    # A load verifies and copies in runs of about this many bytes, each copied while its
-    # bytes are still in cache from their checksum (None: verify all, then copy once).
-    verify_run_bytes: int | None = 1 << 20
-    # Threads a load's checksums run on (``kvkeep.vllm.verify``): one here, where the runs
-    # are small and the cores are the forward's.
-    verify_threads: int = 1
+    def __init__(self) -> None:
+        # Threads a load's checksums may run on, the loader's own included
+        # (``kvkeep.vllm.verify``): a helper that hashes while the loader copies, where the
+        # copy (torch's thread team, the engine's on a CPU engine) leaves it a core.
+        self.verify_threads = host_threads(torch.get_num_threads())
 
     def pin_arena(self, region: ArenaRegion | None) -> None:
         """Make the cache server's arena fast to copy from (a no-op in host memory)."""
@@ -75,6 +78,32 @@ class Mover:
         the blocks hold the bytes."""
         for block_id, slot in zip(block_ids, slots, strict=True):
             layout.scatter(block_id, slot)
+
+    def scatter_checked(
+        self,
+        layout: KVLayout,
+        block_ids: Sequence[int],
+        slots: Sequence[np.ndarray],
+        check: Check,
+        after: Fence | bool = False,
+    ) -> int:
+        """Copy the slots in while ``check`` runs their checksums; how many leading slots
+        passed (``check.result()``). Here every run of about ``RUN_BYTES`` is copied straight
+        into its engine blocks, then the loader's thread checks what no helper has taken of
+        it, while it is still in cache; copying stops at a run past a slot known bad. The
+        blocks from the first bad slot on may hold any bytes: the loader reports them
+        failed, so vLLM recomputes them before it reads them. ``after`` is ignored: on the
+        host every engine op has finished when Python runs."""
+        run = max(1, RUN_BYTES // max(layout.block_bytes, 1))
+        try:
+            for lo in range(0, len(slots), run):
+                if check.failed_before(lo):
+                    break
+                self.scatter(layout, block_ids[lo : lo + run], slots[lo : lo + run])
+                check.help(lo + run)
+        finally:
+            good = check.result()
+        return good
 
     def fence(self) -> Fence:
         """Mark the engine's work issued so far (call on the step's thread)."""

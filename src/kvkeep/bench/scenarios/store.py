@@ -4,10 +4,10 @@ Everything runs in one go against real server processes on this machine:
 
 - ``memcpy_gbps``       numpy copy of the same total, the ceiling for the RAM tier;
 - ``ram_put_gbps``      reserve -> copy into the arena -> commit (client computes checksums);
-- ``ram_get_gbps``      acquire -> copy out of the arena -> release (``_verified``: each
-                        slot's checksum checked before its copy, as the connector's loads
-                        do, ``KVKeepClient.verify``); the best of ``RAM_ROUNDS`` passes
-                        each, plain and verified in turn;
+- ``ram_get_gbps``      acquire -> copy out of the arena -> release (``_verified``: every
+                        slot's checksum checked beside the copy, on the helper thread the
+                        connector's host loads use, ``kvkeep.vllm.verify``); the best of
+                        ``RAM_ROUNDS`` passes each, plain and verified in turn;
 - ``disk_get_gbps``     same, verified, after a restart emptied RAM and the page cache was
                         dropped; ``disk_breakdown`` says where its time went: the server's
                         disk tier reading and verifying (summed over its threads), and the
@@ -46,6 +46,7 @@ from kvkeep.server.client import KVKeepClient, Session
 from kvkeep.store.base import StoreKey, checksum
 from kvkeep.store.disk import DiskConfig, DiskTier, drop_page_cache
 from kvkeep.units import format_size, parse_size
+from kvkeep.vllm.verify import SlotVerifier, host_threads
 
 GB = 1e9
 BATCH = 32
@@ -128,21 +129,22 @@ def _ram_and_disk(server: CacheServer, count: int, block: int, direct: Path) -> 
     keys = chain_keys(ns, list(range(count * 16)), 16)
     data = np.random.default_rng(1).integers(0, 255, block, dtype=np.uint8)
     out = np.empty(block, dtype=np.uint8)
+    verifier = SlotVerifier(host_threads(1))  # as a host load beside a one-thread copy
     client = KVKeepClient(server.socket, timeout_s=30)
     session = client.hello(ns, block)
     put_s = _timed(lambda: _put_all(client, session, keys, data))
     _wait_written(client, count)  # keep write-through from competing with the reads
     plain, verified = [], []  # in turn, each the best of RAM_ROUNDS: one pass is ~0.1 s
     for _ in range(RAM_ROUNDS):
-        plain.append(_timed(lambda: _get_all(client, session, keys, out, verify=False)))
-        verified.append(_timed(lambda: _get_all(client, session, keys, out, verify=True)))
+        plain.append(_timed(lambda: _get_all(client, session, keys, out, None)))
+        verified.append(_timed(lambda: _get_all(client, session, keys, out, verifier)))
     get_s, verified_s = min(plain), min(verified)
     total = count * block
     _write_random(direct, total)  # as old as the tier's records, give or take seconds
 
     def disk_round() -> tuple[float, dict[str, float]]:
         return _disk_get(
-            server, client, lambda p: _get_all(client, session, keys, out, True, 50, p)
+            server, client, lambda p: _get_all(client, session, keys, out, verifier, 50, p)
         )
 
     kvkeep, ceiling = [], []
@@ -151,6 +153,7 @@ def _ram_and_disk(server: CacheServer, count: int, block: int, direct: Path) -> 
         for measure in measures[:: 1 if turn % 2 == 0 else -1]:
             measure()
     direct.unlink()
+    verifier.close()
     median_s, phases = sorted(kvkeep)[len(kvkeep) // 2]
     return {
         "ram_put_gbps": total / put_s / GB,
@@ -208,12 +211,13 @@ def _get_all(
     session: Session,
     keys: list[Any],
     out: np.ndarray,
-    verify: bool,
+    verifier: SlotVerifier | None,
     retries: int = 0,
     phases: dict[str, float] | None = None,
 ) -> None:
-    """Acquire, copy out (verifying each block as it is copied) and release every key, in
-    batches; with ``phases``, the seconds of each phase are added to it."""
+    """Acquire, copy out (with ``verifier``: checking every block's checksum beside the copy)
+    and release every key, in batches; with ``phases``, the seconds of each phase are added
+    to it."""
     clock = time.perf_counter
     for start in range(0, len(keys), BATCH):
         batch = keys[start : start + BATCH]
@@ -222,10 +226,16 @@ def _get_all(
         if len(slots) != len(batch):
             raise RuntimeError(f"expected {len(batch)} hits, got {len(slots)}")
         t1 = clock()
-        for slot in slots:  # as the connector's loads do: verify the slot, then copy it in
-            if verify and not client.verify(slot):
-                raise RuntimeError("a served block failed its checksum")
-            np.copyto(out, client.slot_view(slot))
+        views = [client.slot_view(slot) for slot in slots]
+        # as the connector's host loads do: the checksums on a helper beside the copy
+        crcs = [s.checksum for s in slots]
+        check = verifier.start([v.data for v in views], crcs) if verifier else None
+        for j, view in enumerate(views):
+            np.copyto(out, view)
+            if check is not None:
+                check.help(j + 1)  # what no helper took yet, while it is in cache
+        if check is not None and check.result() != len(slots):
+            raise RuntimeError("a served block failed its checksum")
         t2 = clock()
         client.release(slots)
         if phases is not None:
