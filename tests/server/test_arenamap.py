@@ -20,7 +20,9 @@ def test_clients_of_one_process_share_one_mapping(server_factory: object) -> Non
     server.start()
     first, second = KVKeepClient(server.socket), KVKeepClient(server.socket)
     session = first.hello(NS, BLOCK)
+    assert not second.wait_populated(0)  # nothing mapped yet
     second.hello(NS, BLOCK)
+    assert first.wait_populated(10) and second.wait_populated(0), "populate never ended"
     one, two = first.arena_mapping(), second.arena_mapping()
     assert one is not None and two is not None and one[1] is two[1]
     instance = one[0]

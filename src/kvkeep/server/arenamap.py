@@ -33,10 +33,11 @@ from kvkeep.store.shm import populate, unpopulate
 class ArenaMap:
     """One instance's arena, mapped read-write; ``map`` lives as long as this object."""
 
-    __slots__ = ("__weakref__", "instance", "map")
+    __slots__ = ("__weakref__", "instance", "map", "populated")
 
     def __init__(self, instance: str, arena_map: mmap.mmap) -> None:
         self.instance, self.map = instance, arena_map
+        self.populated = threading.Event()  # set once the background populate has ended
 
 
 _MAPS: weakref.WeakValueDictionary[tuple[str, str], ArenaMap] = weakref.WeakValueDictionary()
@@ -56,16 +57,19 @@ def shared_map(path: str, instance: str, size: int) -> ArenaMap:
         finally:
             os.close(fd)
         _MAPS[(path, instance)] = arena
-    start_thread(_populate_idle, "kvkeep-populate", arena.map)
+    start_thread(_populate_idle, "kvkeep-populate", arena.map, arena.populated)
     return arena
 
 
-def _populate_idle(arena_map: mmap.mmap) -> None:
+def _populate_idle(arena_map: mmap.mmap, done: threading.Event) -> None:
     # Not unbound (``kvkeep.background.unbind``): at idle priority on its creator's core it
     # runs only while that thread waits, and never takes the process's memory-map lock
     # while that thread, starting up, maps memory.
     give_way()
-    populate(arena_map)
+    try:
+        populate(arena_map)
+    finally:
+        done.set()
 
 
 RETIRE_DELAY_S = 1.0  # longer than any caller keeps a reference after handing one over

@@ -241,6 +241,16 @@ class KVKeepClient:
         arena = self._arena
         return (arena.instance, arena.map) if arena is not None and arena.map is not None else None
 
+    def wait_populated(self, timeout_s: float) -> bool:
+        """Whether the arena's background populate (``kvkeep.server.arenamap``) ended within
+        ``timeout_s``; False with no arena mapped."""
+        arena = self._arena
+        return (
+            arena is not None
+            and arena.shared is not None
+            and arena.shared.populated.wait(timeout_s)
+        )
+
     def _buffer(self, slot: SlotRef) -> memoryview:
         view = self.slot_view(slot)
         return view.data  # the ndarray's own buffer: no copy
