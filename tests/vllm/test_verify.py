@@ -3,9 +3,11 @@ thread does."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -89,12 +91,30 @@ class _Gates:
         return checksum(view)
 
 
-def _result_in_thread(check: verify.Check) -> tuple[threading.Thread, list[int]]:
-    """``check.result()`` on a thread of its own (the loader's, which copies first)."""
+@contextlib.contextmanager
+def _gated_check(
+    monkeypatch: pytest.MonkeyPatch, n: int, bad: tuple[int, ...], threads: int
+) -> Iterator[tuple[_Gates, threading.Thread, list[int]]]:
+    """``n`` slots, ``bad`` ones missing their checksum, checked a part per slot on
+    ``threads`` threads under ``_Gates``; ``result()`` runs on a thread of its own (the
+    loader's, which copies first) and appends its answer to the list yielded. Every gate is
+    let go on the way out."""
+    views, expected = _slots(n)
+    for i in bad:
+        expected[i] ^= 1
+    gates = _Gates(n)
+    gates.install(monkeypatch, views)
+    verifier = SlotVerifier(threads, 0, 0, part_bytes=1)
     out: list[int] = []
-    thread = threading.Thread(target=lambda: out.append(check.result()), name="loader")
-    thread.start()
-    return thread, out
+    try:
+        check = verifier.start(views, expected)
+        thread = threading.Thread(target=lambda: out.append(check.result()), name="loader")
+        thread.start()
+        yield gates, thread, out
+    finally:
+        for go in gates.go:
+            go.set()
+        verifier.close()
 
 
 def test_a_later_bad_slot_found_last_does_not_hide_an_earlier_one(
@@ -102,37 +122,20 @@ def test_a_later_bad_slot_found_last_does_not_hide_an_earlier_one(
 ) -> None:
     """Slots 1 and 2 bad, held by different threads: slot 1's thread records first, slot 2's
     after it. The answer is still 1."""
-    views, expected = _slots(3)
-    expected[1] ^= 1
-    expected[2] ^= 1
-    gates = _Gates(3)
-    gates.install(monkeypatch, views)
-    verifier = SlotVerifier(3, 0, 0, part_bytes=1)  # a part per slot, 2 helpers + the loader
-    try:
-        thread, out = _result_in_thread(verifier.start(views, expected))
+    with _gated_check(monkeypatch, 3, (1, 2), threads=3) as (gates, thread, out):
         assert all(e.wait(10) for e in gates.entered), "three threads did not share the slots"
         for i in (1, 2, 0):
             gates.go[i].set()
             time.sleep(0.05)  # slot i's thread records what it found before the next goes
         thread.join(10)
         assert out == [1]
-    finally:
-        for go in gates.go:
-            go.set()
-        verifier.close()
 
 
 def test_the_answer_waits_for_the_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
     """Slot 0 bad and held by a helper: the loader's thread, done with its own part, waits for
     the helper's answer instead of reporting every slot good (and unpinning slots that a
     helper still reads)."""
-    views, expected = _slots(2)
-    expected[0] ^= 1
-    gates = _Gates(2)
-    gates.install(monkeypatch, views)
-    verifier = SlotVerifier(2, 0, 0, part_bytes=1)
-    try:
-        thread, out = _result_in_thread(verifier.start(views, expected))
+    with _gated_check(monkeypatch, 2, (0,), threads=2) as (gates, thread, out):
         assert gates.entered[0].wait(10) and gates.entered[1].wait(10)
         mine = next(i for i, t in gates.holder.items() if t is thread)
         gates.go[mine].set()
@@ -141,7 +144,3 @@ def test_the_answer_waits_for_the_helpers(monkeypatch: pytest.MonkeyPatch) -> No
         gates.go[1 - mine].set()
         thread.join(10)
         assert out == [0]
-    finally:
-        for go in gates.go:
-            go.set()
-        verifier.close()
