@@ -3,10 +3,16 @@ growth, and the disk corruption."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
+from kvkeep.bench.scenarios import soak_faults
 from kvkeep.bench.scenarios.soak_faults import (
+    Event,
     Faults,
     Monotonic,
     Sample,
@@ -27,6 +33,39 @@ def test_ten_minutes_schedule_six_kills_two_restarts() -> None:
     restarts = [e.t_s for e in events if e.kind == "engine_restart"]
     kills = [e.t_s for e in events if e.kind == "server_kill"]
     assert all(abs(k - r) >= 10 for k in kills for r in restarts)
+
+
+def test_a_kill_moved_past_a_restart_does_not_land_on_the_next_one() -> None:
+    # 40 and 50 lie within 10 s of the restart at 45 and move to 50 and 60; 60 is a tick too
+    events = schedule(SoakSpec(minutes=1.5, kill_every_s=10, restart_every_s=45))
+    kills = [e.t_s for e in events if e.kind == "server_kill"]
+    assert kills == [10, 20, 30, 50, 60, 70, 80]
+
+
+def test_faults_that_fell_due_during_a_long_restart_are_skipped_not_fired_in_a_burst(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    plan = [Event(0.1, "engine_restart"), Event(0.2, "server_kill"), Event(0.3, "server_kill"),
+            Event(1.2, "server_kill")]  # fmt: skip
+    monkeypatch.setattr(soak_faults, "schedule", lambda spec: plan)
+    done: list[tuple[str, float]] = []
+
+    def do(kind: str, kills: int) -> str:
+        done.append((kind, time.monotonic() - t0))
+        if kind == "engine_restart":
+            time.sleep(0.8)  # a restart that outlasts the next two kills' times
+        return ""
+
+    t0 = time.monotonic()
+    faults = Faults(SoakSpec(minutes=0.05, kill_every_s=0.4, down_s=0.1), None, None,
+                    SimpleNamespace(t0=t0))  # type: ignore[arg-type]  # fmt: skip
+    monkeypatch.setattr(faults, "_do", do)
+    faults.run(threading.Event())
+    assert [kind for kind, _ in done] == ["engine_restart", "server_kill"]
+    assert done[1][1] >= 1.2  # the one kill left fired at its time, not at once
+    assert [e.kind for e in faults.events] == ["engine_restart", "skipped", "skipped",
+                                               "server_kill"]  # fmt: skip
+    assert faults.count("server_kill") == 1
 
 
 def test_no_corruption_when_off() -> None:

@@ -72,7 +72,7 @@ class Event(NamedTuple):
     """A fault, ``t_s`` seconds into the run."""
 
     t_s: float
-    kind: str  # server_kill | engine_restart | corrupt_live
+    kind: str  # server_kill | engine_restart | corrupt_live | skipped (see `Faults.run`)
     took_s: float = 0.0
     detail: str = ""
 
@@ -81,11 +81,15 @@ def schedule(spec: SoakSpec) -> list[Event]:
     """The faults of a run, in time order. Pure.
 
     Kills fall every ``kill_interval_s``, engine restarts every ``restart_interval_s`` (a
-    kill that would land within 10 s of a restart moves 10 s later), and with ``corrupt``
-    a live corruption half-way after every other kill."""
+    kill that would land within 10 s of a restart moves 10 s later, unless that brings it
+    within half an interval of the next kill, which then stands for both), and with
+    ``corrupt`` a live corruption half-way after every other kill."""
     end = spec.duration_s
     restarts = _ticks(spec.restart_interval_s, end)
-    kills = [_avoid(t, restarts) for t in _ticks(spec.kill_interval_s, end)]
+    kills: list[float] = []
+    for t in sorted(_avoid(t, restarts) for t in _ticks(spec.kill_interval_s, end)):
+        if not kills or t - kills[-1] >= spec.kill_interval_s / 2:
+            kills.append(t)
     events = [Event(t, "engine_restart") for t in restarts]
     events += [Event(t, "server_kill") for t in kills if t < end]
     if spec.corrupt:
@@ -228,9 +232,16 @@ class Faults:
     def run(self, stop: threading.Event) -> None:
         kills = 0
         for event in schedule(self.spec):
+            late_s = time.monotonic() - (self.t0 + event.t_s)
             if time.monotonic() > self.t0 + self.spec.duration_s:
                 return  # overdue after a long engine restart, and the run is over
-            if stop.wait(max(0.0, self.t0 + event.t_s - time.monotonic())):
+            if late_s > self.spec.kill_interval_s / 2:
+                # It fell due while a long engine restart ran: fired now, the kills missed
+                # would come back to back on an engine that has just started.
+                why = f"{event.kind} due at {event.t_s:.0f} s fell due during another fault"
+                self.events.append(Event(event.t_s, "skipped", 0.0, why))
+                continue
+            if stop.wait(max(0.0, -late_s)):
                 return
             started = time.monotonic()
             try:
