@@ -36,8 +36,8 @@ demo: setup model
 	$(VENV)/bin/kvkeep demo --model $(MODEL)
 
 lint: setup
-	$(VENV)/bin/ruff check src tests
-	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/ruff check src tests scripts
+	$(VENV)/bin/ruff format --check src tests scripts
 	$(VENV)/bin/mypy
 
 # The remote-tier tests run real redis-server processes (Debian 12 has redis-server 7.0 and no
