@@ -22,6 +22,8 @@ set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$(command -v python3 || command -v python)}
 export PYTHONPATH="$PWD/src:$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}"
+# no network there: vLLM and transformers must not try the Hugging Face hub
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
 missing=$("$PY" - <<'EOF'
 import importlib.util

@@ -23,10 +23,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvkeep.server.arenamap import ArenaMap
 from kvkeep.store.base import checksum
-from kvkeep.vllm.cuda import CudaMover
+from kvkeep.vllm.cuda import PINS, CudaMover
 from kvkeep.vllm.layout import KVLayout, LayoutDescription
-from kvkeep.vllm.transfer import Mover, region_of
+from kvkeep.vllm.transfer import Mover
 from kvkeep.vllm.verify import SlotVerifier, default_threads
 
 # physical axis order of logical [L, B, H, N, C] (vllm/v1/kv_cache_layout.py)
@@ -80,13 +81,16 @@ def layout_figures(
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     ids = torch.randperm(shape[1] - 1)[:batch] + 1
     rows = mover.host_buffer(batch, kv.block_bytes)
-    arena = mmap.mmap(-1, batch * kv.block_bytes)
-    mover.pin_arena(region_of("check", arena))
+    # as a worker maps a cache server's arena; registered (on CUDA) by the connector's own
+    # code, and unregistered when the last slot view and this name let it go
+    arena = ArenaMap(f"check-{layout}", mmap.mmap(-1, batch * kv.block_bytes))
+    mover.pin_arena(arena)
+    pinned = PINS.wait(arena, 120.0) if device.startswith("cuda") else None
     slots = [
-        np.frombuffer(arena, np.uint8, kv.block_bytes, j * kv.block_bytes) for j in range(batch)
+        np.frombuffer(arena.map, np.uint8, kv.block_bytes, j * kv.block_bytes) for j in range(batch)
     ]
     nbytes = batch * kv.block_bytes
-    save = timed(lambda: mover.gather(kv, ids.to(device), rows)(), 5, sync)
+    save = timed(lambda: mover.gather(kv, ids, rows)(), 5, sync)
     for j in range(batch):
         slots[j][:] = rows[j].numpy()
     targets = ids.roll(1).tolist()
@@ -94,6 +98,7 @@ def layout_figures(
     check = torch.empty_like(rows)
     mover.gather(kv, torch.tensor(targets).to(device), check)()
     out = {"fused": kv.fused, "block_bytes": kv.block_bytes, "batch_blocks": batch,
+           "arena_pinned": pinned,
            "save_gbps": nbytes / save / 1e9, "load_gbps": nbytes / load / 1e9,
            "round_trip_exact": bool(torch.equal(check, rows))}  # fmt: skip
     # a load as the connector's loader runs it: the checksums on the mover's threads beside

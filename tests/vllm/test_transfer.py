@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import gc
 import mmap
+import threading
+import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from kvkeep.server.arenamap import ArenaMap
 from kvkeep.vllm import cuda
 from kvkeep.vllm.layout import KVLayout, LayoutDescription
 from kvkeep.vllm.transfer import Mover, region_of
@@ -40,7 +45,8 @@ def test_host_mover_saves_then_loads_through_arena_slots() -> None:
     slots = [np.frombuffer(arena, np.uint8, kv.block_bytes, j * kv.block_bytes) for j in range(3)]
     for j, slot in enumerate(slots):
         slot[:] = rows[j].numpy()
-    mover.pin_arena(region_of("i", arena))  # a no-op for a host cache
+    mover.pin_arena(ArenaMap("i", arena))  # a no-op for a host cache
+    mover.bind_thread()  # likewise
     mover.scatter(kv, [7, 0, 2], slots)
     again = mover.host_buffer(3, kv.block_bytes)
     mover.gather(kv, torch.tensor([7, 0, 2]), again)
@@ -52,3 +58,80 @@ def test_region_of_names_the_whole_mapping() -> None:
     region = region_of("inst", arena)
     assert region.length == 1 << 16 and region.instance == "inst"
     assert region.address == np.frombuffer(arena, np.uint8).ctypes.data
+
+
+def _mapped(address: int) -> bool:
+    """Whether ``address`` lies in a mapping of this process, by /proc/self/maps."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        if lo <= address < hi:
+            return True
+    return False
+
+
+class _Recorder:
+    """Stands in for cudaHostRegister/Unregister (no GPU here): records the calls, their
+    thread, and whether the memory was still mapped when it was unregistered."""
+
+    def __init__(self, ok: bool = True) -> None:
+        self.ok = ok
+        self.calls: list[tuple[str, int, str, bool]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def register(self, address: int, length: int, device: torch.device) -> bool:
+        self.gate.wait(10)
+        self.calls.append(("register", address, threading.current_thread().name, True))
+        return self.ok
+
+    def unregister(self, address: int) -> bool:
+        name = threading.current_thread().name
+        self.calls.append(("unregister", address, name, _mapped(address)))
+        return True
+
+
+def test_pins_register_a_mapping_once_off_the_step_and_unregister_it_before_its_unmap() -> None:
+    rec = _Recorder()
+    pins = cuda.Pins(rec.register, rec.unregister)
+    arena = ArenaMap("inst", mmap.mmap(-1, 1 << 20))
+    address = np.frombuffer(arena.map, np.uint8).ctypes.data
+    rec.gate.clear()  # registering takes a while: pin() must not wait for it
+    t0 = time.monotonic()
+    for device in ("cuda:0", "cuda:0", "cuda:1"):  # every group's mover, every thread
+        pins.pin(arena, torch.device(device))
+    assert time.monotonic() - t0 < 1.0
+    assert not pins.wait(arena, 0.05)  # still registering
+    rec.gate.set()
+    assert pins.wait(arena, 10.0)
+    assert rec.calls == [("register", address, "kvkeep-pin", True)]
+    del arena  # the last holder lets it go, as arenamap.retire does after a server restart
+    gc.collect()
+    assert rec.calls[1:] == [("unregister", address, "kvkeep-pin", True)]
+    assert not _mapped(address)
+
+
+def test_a_mapping_that_failed_to_pin_is_not_tried_again_nor_unpinned() -> None:
+    rec = _Recorder(ok=False)
+    pins = cuda.Pins(rec.register, rec.unregister)
+    arena = ArenaMap("inst", mmap.mmap(-1, 1 << 16))
+    pins.pin(arena, torch.device("cuda:0"))
+    assert not pins.wait(arena, 10.0)
+    pins.pin(arena, torch.device("cuda:0"))
+    assert not pins.wait(arena, 10.0)
+    del arena
+    gc.collect()
+    assert [c[0] for c in rec.calls] == ["register"]
+
+
+def test_a_mapping_gone_before_its_turn_is_never_registered() -> None:
+    rec = _Recorder()
+    pins = cuda.Pins(rec.register, rec.unregister)
+    first, second = ArenaMap("a", mmap.mmap(-1, 1 << 16)), ArenaMap("b", mmap.mmap(-1, 1 << 16))
+    rec.gate.clear()
+    pins.pin(first, torch.device("cuda:0"))  # holds the pin thread
+    pins.pin(second, torch.device("cuda:0"))
+    del second
+    gc.collect()
+    rec.gate.set()
+    assert pins.wait(first, 10.0)
+    assert [c[0] for c in rec.calls] == ["register"]

@@ -241,6 +241,12 @@ class KVKeepClient:
         arena = self._arena
         return (arena.instance, arena.map) if arena is not None and arena.map is not None else None
 
+    def arena(self) -> ArenaMap | None:
+        """The arena mapping of the server instance seen last (None before the first call
+        that reached a server, or without ``map_arena``)."""
+        arena = self._arena
+        return arena.shared if arena is not None else None
+
     def wait_populated(self, timeout_s: float) -> bool:
         """Whether the arena's background populate (``kvkeep.server.arenamap``) ended within
         ``timeout_s``; False with no arena mapped."""

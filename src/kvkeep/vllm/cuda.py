@@ -1,22 +1,30 @@
 """CUDA specifics of the data path, in one place; nothing else in kvkeep touches CUDA.
 
 - The arena is registered as pinned memory (``cudaHostRegister``) so that copies between it
-  and the device are DMA, not staged through pageable bounce buffers; it is registered again
-  when a cache-server restart re-maps the arena (a new instance), and the old map released.
+  and the device are DMA, not staged through pageable bounce buffers. `Pins` does it once per
+  mapping in the process (every group's mover and every thread share one mapping), on a thread
+  of its own, so that registering many GiB never stalls a step and a failed call's CUDA error,
+  which the runtime keeps per thread for the next kernel launch, never reaches the engine's
+  threads. A mapping is unregistered before it is unmapped (a cache-server restart retires
+  it); until it is registered, and if registering fails, copies are slower, never wrong.
 - Each worker (one per rank) has its own side stream. A save gathers the step's blocks into a
   device staging buffer on that stream, records an event the engine's stream waits for (so
   vLLM may reuse the blocks once they are read, without the CPU waiting), then copies the
   staging buffer to pinned host rows with one non-blocking DMA; the saver's thread waits for
   that copy's event before it checksums and commits.
-- A load copies its slots to device staging (one DMA per block, from pinned memory) while
-  the host checks their checksums on several threads, then scatters the slots that passed
-  with one ``index_copy_`` that the engine's stream waits for (a bad slot's bytes never reach
-  the KV cache), and waits for the copies (the slots are unpinned right after).
+- A load copies its slots to device staging (one DMA per block, from pinned memory, at most
+  ``STAGE_BYTES`` staged at once) while the host checks their checksums on several threads,
+  then, after the engine's work so far, scatters the slots that passed with ``index_copy_``
+  that the engine's stream waits for (a bad slot's bytes never reach the KV cache), and waits
+  for the copies (the slots are unpinned right after).
 - An asynchronous load (vLLM's ``load_async``) does the same on a second side stream, from
-  the loader's thread: it waits for a fence event recorded on the engine's stream when the
-  load was started (blocks just allocated may still be read by earlier kernels), and the
-  thread waits for the scatter before it reports the request finished. The engine's stream
-  waits for nothing: vLLM schedules the request only after that report.
+  the loader's thread: its scatter waits for a fence event recorded on the engine's stream
+  when the load was started (blocks just allocated may still be read by earlier kernels), and
+  the thread waits for the scatter before it reports the request finished. The engine's
+  stream waits for nothing: vLLM schedules the request only after that report.
+- kvkeep's own threads (saver, loader) make the mover's device current first
+  (``bind_thread``): a CUDA call on a thread with no current device makes a context on
+  device 0, hundreds of MiB on another rank's GPU.
 
 Importing this module needs no GPU; ``mover_for`` picks the host ``Mover`` for a CPU cache.
 """
@@ -24,13 +32,18 @@ Importing this module needs no GPU; ``mover_for`` picks the host ``Mover`` for a
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import queue
+import threading
+import weakref
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
+from kvkeep.background import start_thread
+from kvkeep.server.arenamap import ArenaMap
 from kvkeep.vllm.layout import KVLayout
-from kvkeep.vllm.transfer import ArenaRegion, Fence, Mover, Wait
+from kvkeep.vllm.transfer import Fence, Mover, Wait, region_of
 from kvkeep.vllm.verify import Check, default_threads
 
 log = logging.getLogger("vllm.kvkeep")
@@ -43,6 +56,9 @@ def mover_for(layout: KVLayout) -> Mover:
     return Mover()
 
 
+STAGE_BYTES = 256 << 20  # device staging a load takes at once: a long prefix loads in parts
+
+
 class CudaMover(Mover):
     """Batched, stream-ordered copies for a KV cache on one CUDA device (one per rank)."""
 
@@ -52,7 +68,9 @@ class CudaMover(Mover):
         self.verify_threads = default_threads()
         self.stream = torch.cuda.Stream(device)
         self.load_stream = torch.cuda.Stream(device)  # asynchronous loads, off the step
-        self._pinned: ArenaRegion | None = None
+
+    def bind_thread(self) -> None:
+        torch.cuda.set_device(self.device)
 
     def host_buffer(self, rows: int, row_bytes: int) -> torch.Tensor:
         return torch.zeros(rows, row_bytes, dtype=torch.uint8, pin_memory=True)
@@ -62,11 +80,11 @@ class CudaMover(Mover):
         self.stream.wait_stream(engine)  # the forward that wrote the blocks comes first
         with torch.cuda.stream(self.stream):
             staged = torch.empty(rows.shape, dtype=torch.uint8, device=self.device)
-            layout.gather_blocks(ids.to(self.device, non_blocking=True), staged)
+            layout.gather_blocks(_on_device(ids, self.device), staged)
             read = torch.cuda.Event()
             read.record(self.stream)
             rows.copy_(staged, non_blocking=True)
-            landed = torch.cuda.Event()
+            landed = torch.cuda.Event(blocking=True)  # waited for by a thread: no spinning
             landed.record(self.stream)
         engine.wait_event(read)  # vLLM may overwrite the blocks only after they were read
         return landed.synchronize
@@ -94,56 +112,195 @@ class CudaMover(Mover):
         check: Check,
         after: Fence | bool = False,
     ) -> int:
-        """One batched DMA of the slots into device staging rows; the host waits for the
-        checksums while it runs, then only the slots that passed are scattered into the KV
-        cache, so a bad slot's bytes never reach it. On the step (``after`` False) on
-        ``stream``, after the engine's work so far, and the engine's stream waits for the
-        scatter; off it on ``load_stream``, after ``after``, and this waits for the scatter."""
+        """The slots' DMA into device staging starts at once (it waits for nothing: the
+        staging rows are fresh); the host waits for the checksums while it runs. Then, after
+        the engine's work so far (on the step, ``after`` False, on ``stream``) or after
+        ``after`` (off it, on ``load_stream``), only the slots that passed are scattered into
+        the KV cache, so a bad slot's bytes never reach it. A load of more than
+        ``STAGE_BYTES`` stages its first part beside the checksums and the rest part by part.
+        On the step the engine's stream waits for the scatter; off it this does. The slots
+        are no longer read when this returns, whatever it raises."""
         on_step = after is False
         stream = self.stream if on_step else self.load_stream
         engine = torch.cuda.current_stream(self.device)
-        copied = torch.cuda.Event()
+        part = max(1, STAGE_BYTES // max(layout.block_bytes, 1))
+        # ``copied`` marks the last DMA issued; ``done`` all of this load's work
+        copied, done = torch.cuda.Event(blocking=True), torch.cuda.Event(blocking=True)
+        marked = good = 0  # ``marked``: whether ``copied`` follows every DMA issued
         try:
+            try:
+                with torch.cuda.device(self.device), torch.cuda.stream(stream):
+                    staged = self._stage(layout, slots[:part])
+                    copied.record(stream)
+                    marked = 1
+            finally:
+                good = check.result()  # the checksums run on the host while the DMA does
             with torch.cuda.device(self.device), torch.cuda.stream(stream):
                 if on_step:
                     stream.wait_stream(engine)
                 elif isinstance(after, torch.cuda.Event):
                     stream.wait_event(after)
-                staged = torch.empty(
-                    len(slots), layout.block_bytes, dtype=torch.uint8, device=self.device
-                )
-                for j, slot in enumerate(slots):
-                    staged[j].copy_(torch.from_numpy(slot), non_blocking=True)
-                copied.record(stream)
+                for lo in range(0, good, part):
+                    hi = min(lo + part, good)
+                    if lo:
+                        marked = 0
+                        staged = self._stage(layout, slots[lo:hi])
+                        copied.record(stream)
+                        marked = 1
+                    ids = torch.tensor(list(block_ids[lo:hi]), dtype=torch.int64)
+                    layout.scatter_blocks(_on_device(ids, self.device), staged[: hi - lo])
         finally:
-            good = check.result()  # the checksums run on the host while the DMA does
-        with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            if good:
-                ids = torch.tensor(list(block_ids[:good]), dtype=torch.int64)
-                layout.scatter_blocks(ids.to(self.device, non_blocking=True), staged[:good])
-            done = torch.cuda.Event()
-            done.record(stream)
-        copied.synchronize()  # the slots are unpinned as soon as this returns
-        if on_step:
-            engine.wait_stream(stream)  # the forward reads the blocks after the scatter
-        else:
-            done.synchronize()  # the request is reported after this
+            with torch.cuda.device(self.device):
+                done.record(stream)
+            if on_step:
+                engine.wait_stream(stream)  # the forward reads the blocks after the scatter
+                # the slots are unpinned once this returns; a load of one part does not
+                # wait for the engine's work here, only for its DMA
+                (copied if marked else done).synchronize()
+            else:
+                done.synchronize()  # the request is reported after this
         return good
 
-    def pin_arena(self, region: ArenaRegion | None) -> None:
-        """Register ``region`` as pinned host memory, once per cache-server instance; the
-        previous instance's region is unregistered. Failures are logged, not raised: an
-        unpinned arena is slower, never wrong."""
-        if region is None or (
-            self._pinned is not None and self._pinned.instance == region.instance
-        ):
+    def _stage(self, layout: KVLayout, slots: Sequence[np.ndarray]) -> torch.Tensor:
+        """The slots on the device, one non-blocking DMA each, on the current stream."""
+        staged = torch.empty(len(slots), layout.block_bytes, dtype=torch.uint8, device=self.device)
+        for j, slot in enumerate(slots):
+            staged[j].copy_(torch.from_numpy(slot), non_blocking=True)
+        return staged
+
+    def pin_arena(self, arena: ArenaMap | None) -> None:
+        """Have ``arena`` registered as pinned host memory (`Pins`, in the background)."""
+        if arena is not None:
+            PINS.pin(arena, self.device)
+
+
+def _on_device(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host ``ids`` on the device by a non-blocking copy from pinned memory, on the current
+    stream: from pageable memory the copy would first wait for the stream's earlier work."""
+    if ids.device.type == "cuda":
+        return ids
+    return ids.pin_memory().to(device, non_blocking=True)
+
+
+Register = Callable[[int, int, torch.device], bool]
+Unregister = Callable[[int], bool]
+
+
+class Pins:
+    """This process's arena mappings registered as pinned host memory: each once, however
+    many movers, groups and threads ask, and unregistered before it is unmapped.
+
+    Registering and unregistering run on one thread of their own (``kvkeep-pin``), in the
+    order asked: registering tens of GiB takes seconds, and a failed call leaves a CUDA error
+    on its thread that the next kernel launch there would raise. A mapping that failed is
+    not tried again. ``wait`` tells whether a mapping is registered (tools and tests)."""
+
+    def __init__(self, register: Register | None = None, unregister: Unregister | None = None):
+        self._register = register or _cuda_register
+        self._unregister = unregister or _cuda_unregister
+        self._lock = threading.Lock()
+        self._start_lock = threading.Lock()
+        self._state: weakref.WeakKeyDictionary[ArenaMap, threading.Event] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._registered: dict[int, bool] = {}  # address -> registered
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def pin(self, arena: ArenaMap, device: torch.device) -> None:
+        """Register ``arena`` in the background, unless it was asked before; never blocks."""
+        with self._lock:
+            if arena in self._state:
+                return
+            ended = self._state[arena] = threading.Event()
+            ref = weakref.ref(arena)
+            self._submit(lambda: self._pin(ref, device, ended))
+
+    def wait(self, arena: ArenaMap, timeout_s: float) -> bool:
+        """Whether ``arena`` is registered, waiting up to ``timeout_s`` for a registration
+        asked before; False if it was never asked, failed, or is still running."""
+        with self._lock:
+            ended = self._state.get(arena)
+        if ended is None or not ended.wait(timeout_s):
+            return False
+        address, _ = _span(arena)
+        return self._registered.get(address, False)
+
+    def _submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+        with self._start_lock:  # one pin thread: its jobs run in the order asked
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = start_thread(self._run, "kvkeep-pin")
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                job()
+            except Exception:  # each job says what failed; the thread serves the next one
+                log.exception("kvkeep: pinning the arena failed")
+
+    def _pin(
+        self, ref: weakref.ref[ArenaMap], device: torch.device, ended: threading.Event
+    ) -> None:
+        arena = ref()  # held while registering: its mapping cannot go meanwhile
+        try:
+            if arena is None:
+                return
+            address, length = _span(arena)
+            try:
+                ok = self._register(address, length, device)
+            except Exception as exc:
+                log.warning("kvkeep: cannot pin the arena (%s); copies stay unpinned", exc)
+                ok = False
+            if ok:
+                self._registered[address] = True
+                # Runs when the mapping's last holder lets it go, before its memory is
+                # unmapped (an ArenaMap's weak references go before its map); not at exit.
+                weakref.finalize(arena, self._unpin, address).atexit = False
+                log.info("kvkeep: arena of %s (%d bytes) pinned", arena.instance, length)
+        finally:
+            ended.set()
+
+    def _unpin(self, address: int) -> None:
+        """Unregister ``address`` on the pin thread, and wait for it (the caller is about to
+        unmap it); at once when the pin thread itself dropped the mapping."""
+        if threading.current_thread() is self._thread:
+            self._unpin_now(address)
             return
-        if self._pinned is not None:
-            _cudart_call("cudaHostUnregister", self._pinned.address)
-            self._pinned = None
-        if _cudart_call("cudaHostRegister", region.address, region.length, 0):
-            self._pinned = region
-            log.info("kvkeep: arena of %s (%d bytes) pinned", region.instance, region.length)
+        ended = threading.Event()
+
+        def job() -> None:
+            self._unpin_now(address)
+            ended.set()
+
+        self._submit(job)
+        if not ended.wait(60.0):
+            log.warning("kvkeep: unpinning an old arena took over 60 s; going on")
+
+    def _unpin_now(self, address: int) -> None:
+        if self._registered.pop(address, False):
+            try:
+                self._unregister(address)
+            except Exception as exc:
+                log.warning("kvkeep: cannot unpin an old arena: %s", exc)
+
+
+def _span(arena: ArenaMap) -> tuple[int, int]:
+    region = region_of(arena.instance, arena.map)
+    return region.address, region.length
+
+
+def _cuda_register(address: int, length: int, device: torch.device) -> bool:
+    torch.cuda.set_device(device)  # this thread's only device: no context on device 0
+    return _cudart_call("cudaHostRegister", address, length, 1)  # 1: cudaHostRegisterPortable
+
+
+def _cuda_unregister(address: int) -> bool:
+    return _cudart_call("cudaHostUnregister", address)
+
+
+PINS = Pins()
 
 
 def _cudart_call(name: str, *args: int) -> bool:

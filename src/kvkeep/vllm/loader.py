@@ -32,7 +32,7 @@ from kvkeep.background import start_thread, unbind
 from kvkeep.server.client import CacheUnavailable, KVKeepClient, Session, SlotRef
 from kvkeep.vllm.layout import KVLayout
 from kvkeep.vllm.scheduling import RequestLoad
-from kvkeep.vllm.transfer import Fence, Mover, region_of
+from kvkeep.vllm.transfer import Fence, Mover
 from kvkeep.vllm.verify import SlotVerifier
 
 log = logging.getLogger("vllm.kvkeep")
@@ -95,9 +95,7 @@ class BlockLoader:
         """Copy the slots in while their checksums run beside the copy (``SlotVerifier``,
         ``Mover.scatter_checked``); how many leading slots hold their block's key and passed.
         The engine blocks from there on are reported failed, whatever the copy put in them."""
-        mapping = self.client.arena_mapping()
-        if mapping is not None:
-            self.mover.pin_arena(region_of(*mapping))
+        self.mover.pin_arena(self.client.arena())
         pairs = zip(request.blocks, slots, strict=False)
         whole = min(len(request.blocks), len(slots))
         keyed = next((i for i, (b, s) in enumerate(pairs) if s.key != b.key), whole)
@@ -163,6 +161,7 @@ class BackgroundLoads:
 
     def _loop(self) -> None:
         unbind()
+        self.loader.mover.bind_thread()
         while True:
             job = self._jobs.get()
             if job is None:

@@ -191,7 +191,7 @@ class Saver:
         ids = torch.tensor([block_id for _, block_id in chunk], dtype=torch.int64)
         try:
             with self._timed("copy_out_s"):
-                wait = self.mover.gather(self.layout, ids.to(self.layout.device), rows)
+                wait = self.mover.gather(self.layout, ids, rows)
         except Exception:
             self._ring.untake(mark)
             raise
@@ -216,6 +216,7 @@ class Saver:
 
     def _loop(self) -> None:
         unbind()  # not on the core of the forward's first thread, which started this one
+        self.mover.bind_thread()
         while True:
             job = self._jobs.get()
             if job is None:

@@ -17,6 +17,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from kvkeep.server.arenamap import ArenaMap
 from kvkeep.vllm.layout import KVLayout
 from kvkeep.vllm.verify import Check, host_threads
 
@@ -57,8 +58,12 @@ class Mover:
         # copy (torch's thread team, the engine's on a CPU engine) leaves it a core.
         self.verify_threads = host_threads(torch.get_num_threads())
 
-    def pin_arena(self, region: ArenaRegion | None) -> None:
+    def pin_arena(self, arena: ArenaMap | None) -> None:
         """Make the cache server's arena fast to copy from (a no-op in host memory)."""
+
+    def bind_thread(self) -> None:
+        """Make the calling thread (one of kvkeep's own) ready to copy for this mover's
+        device (a no-op in host memory)."""
 
     def host_buffer(self, rows: int, row_bytes: int) -> torch.Tensor:
         """A host staging buffer of ``rows`` rows, its pages touched now (not on the step)."""
