@@ -2,21 +2,23 @@
 
 - The arena is registered as pinned memory (``cudaHostRegister``) so that copies between it
   and the device are DMA, not staged through pageable bounce buffers. `Pins` does it once per
-  mapping in the process (every group's mover and every thread share one mapping), on a thread
-  of its own, so that registering many GiB never stalls a step and a failed call's CUDA error,
-  which the runtime keeps per thread for the next kernel launch, never reaches the engine's
-  threads. A mapping is unregistered before it is unmapped (a cache-server restart retires
-  it); until it is registered, and if registering fails, copies are slower, never wrong.
+  mapping in the process (every group's mover and every thread share one mapping), asked by
+  the first load (after start-up, when vLLM has captured its CUDA graphs), on a thread of its
+  own: the step does not wait for it, and a failed call's CUDA error, which the runtime keeps
+  per thread for the next kernel launch, never reaches the engine's threads. A mapping is
+  unregistered before it is unmapped (a cache-server restart retires it); until it is
+  registered, and if registering fails, copies are slower, never wrong.
 - Each worker (one per rank) has its own side stream. A save gathers the step's blocks into a
   device staging buffer on that stream, records an event the engine's stream waits for (so
   vLLM may reuse the blocks once they are read, without the CPU waiting), then copies the
   staging buffer to pinned host rows with one non-blocking DMA; the saver's thread waits for
   that copy's event before it checksums and commits.
 - A load copies its slots to device staging (one DMA per block, from pinned memory, at most
-  ``STAGE_BYTES`` staged at once) while the host checks their checksums on several threads,
-  then, after the engine's work so far, scatters the slots that passed with ``index_copy_``
-  that the engine's stream waits for (a bad slot's bytes never reach the KV cache), and waits
-  for the copies (the slots are unpinned right after).
+  ``STAGE_BYTES`` staged at once, on a stream of its own that waits for nothing) while the
+  host checks their checksums on several threads. Then, after the engine's work so far, it
+  scatters the slots that passed with ``index_copy_`` that the engine's stream waits for (a
+  bad slot's bytes never reach the KV cache), and waits for the DMA (the slots are unpinned
+  right after).
 - An asynchronous load (vLLM's ``load_async``) does the same on a second side stream, from
   the loader's thread: its scatter waits for a fence event recorded on the engine's stream
   when the load was started (blocks just allocated may still be read by earlier kernels), and
@@ -63,11 +65,16 @@ class CudaMover(Mover):
     """Batched, stream-ordered copies for a KV cache on one CUDA device (one per rank)."""
 
     def __init__(self, device: torch.device) -> None:
+        if device.index is None:  # "cuda": the current one (set_device needs an index)
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         # one core hashes slower than PCIe copies: a load's checksums run on several threads
         self.verify_threads = default_threads()
-        self.stream = torch.cuda.Stream(device)
-        self.load_stream = torch.cuda.Stream(device)  # asynchronous loads, off the step
+        self.stream = torch.cuda.Stream(device)  # saves, and loads' scatters on the step
+        self.load_stream = torch.cuda.Stream(device)  # asynchronous loads' scatters
+        # loads' host-to-device DMA, behind nothing else: not the last save's gather (on
+        # ``stream``, after the forward), and beside saves' device-to-host copies
+        self.copy_stream = torch.cuda.Stream(device)
 
     def bind_thread(self) -> None:
         torch.cuda.set_device(self.device)
@@ -124,15 +131,13 @@ class CudaMover(Mover):
         stream = self.stream if on_step else self.load_stream
         engine = torch.cuda.current_stream(self.device)
         part = max(1, STAGE_BYTES // max(layout.block_bytes, 1))
-        # ``copied`` marks the last DMA issued; ``done`` all of this load's work
+        # ``copied`` marks the DMA issued (on ``copy_stream``), ``done`` the scatter
         copied, done = torch.cuda.Event(blocking=True), torch.cuda.Event(blocking=True)
-        marked = good = 0  # ``marked``: whether ``copied`` follows every DMA issued
+        staged: torch.Tensor | None = None
+        good = 0
         try:
             try:
-                with torch.cuda.device(self.device), torch.cuda.stream(stream):
-                    staged = self._stage(layout, slots[:part])
-                    copied.record(stream)
-                    marked = 1
+                staged = self._stage(layout, slots[:part], copied)
             finally:
                 good = check.result()  # the checksums run on the host while the DMA does
             with torch.cuda.device(self.device), torch.cuda.stream(stream):
@@ -143,29 +148,39 @@ class CudaMover(Mover):
                 for lo in range(0, good, part):
                     hi = min(lo + part, good)
                     if lo:
-                        marked = 0
-                        staged = self._stage(layout, slots[lo:hi])
-                        copied.record(stream)
-                        marked = 1
+                        staged = None  # its memory goes back once the scatter has read it
+                        staged = self._stage(layout, slots[lo:hi], copied)
+                    assert staged is not None
+                    stream.wait_event(copied)
+                    staged.record_stream(stream)  # made on ``copy_stream``, read here
                     ids = torch.tensor(list(block_ids[lo:hi]), dtype=torch.int64)
                     layout.scatter_blocks(_on_device(ids, self.device), staged[: hi - lo])
         finally:
             with torch.cuda.device(self.device):
+                # whatever was issued, even by a ``_stage`` that raised, ends before these
+                copied.record(self.copy_stream)
                 done.record(stream)
             if on_step:
                 engine.wait_stream(stream)  # the forward reads the blocks after the scatter
-                # the slots are unpinned once this returns; a load of one part does not
-                # wait for the engine's work here, only for its DMA
-                (copied if marked else done).synchronize()
+                # The slots are unpinned once this returns. A load of one part waits here
+                # for its DMA only, not for the engine's work.
+                copied.synchronize()
             else:
                 done.synchronize()  # the request is reported after this
         return good
 
-    def _stage(self, layout: KVLayout, slots: Sequence[np.ndarray]) -> torch.Tensor:
-        """The slots on the device, one non-blocking DMA each, on the current stream."""
-        staged = torch.empty(len(slots), layout.block_bytes, dtype=torch.uint8, device=self.device)
-        for j, slot in enumerate(slots):
-            staged[j].copy_(torch.from_numpy(slot), non_blocking=True)
+    def _stage(
+        self, layout: KVLayout, slots: Sequence[np.ndarray], copied: torch.cuda.Event
+    ) -> torch.Tensor:
+        """The slots on the device, one non-blocking DMA each on ``copy_stream``, which
+        waits for nothing (the staging rows are fresh); ``copied`` marks their end."""
+        with torch.cuda.device(self.device), torch.cuda.stream(self.copy_stream):
+            staged = torch.empty(
+                len(slots), layout.block_bytes, dtype=torch.uint8, device=self.device
+            )
+            for j, slot in enumerate(slots):
+                staged[j].copy_(torch.from_numpy(slot), non_blocking=True)
+            copied.record(self.copy_stream)
         return staged
 
     def pin_arena(self, arena: ArenaMap | None) -> None:
@@ -199,7 +214,8 @@ class Pins:
         self._register = register or _cuda_register
         self._unregister = unregister or _cuda_unregister
         self._lock = threading.Lock()
-        self._start_lock = threading.Lock()
+        # re-entrant: a mapping freed by a collection while this is held unpins through it
+        self._start_lock = threading.RLock()
         self._state: weakref.WeakKeyDictionary[ArenaMap, threading.Event] = (
             weakref.WeakKeyDictionary()
         )

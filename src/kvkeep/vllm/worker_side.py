@@ -121,9 +121,10 @@ class WorkerSide:
 
     def _connect_early(self) -> None:
         """Map the cache server's arena while the engine starts, not on the first request
-        (``kvkeep.server.arenamap`` populates it in the background, and on a GPU
-        ``kvkeep.vllm.cuda.Pins`` registers it). Never raises: with the server down, loads
-        and saves find out for themselves."""
+        (``kvkeep.server.arenamap`` populates it in the background). Never raises: with the
+        server down, loads and saves find out for themselves. On a GPU the first load has it
+        registered as pinned memory (``kvkeep.vllm.cuda.Pins``), not this: vLLM captures
+        CUDA graphs after start-up, and CUDA refuses a registration meanwhile."""
         unbind()
         assert self.layout is not None
         ns = compat.namespace(self.vllm_config, self.kv_cache_config, self.group)
@@ -134,7 +135,6 @@ class WorkerSide:
             self.client.hello(ns, self.layout.block_bytes, label)
         except Exception as exc:
             log.debug("kvkeep: no cache server at start-up (%s); connecting on first use", exc)
-        self.mover.pin_arena(self.client.arena())  # on a GPU: registered in the background
 
     def _session(self, plan: StepPlan) -> Session:
         assert self.layout is not None
