@@ -10,102 +10,61 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 Row = tuple[str, float, float, str, bool]
 
 
-def _ratio(name: str, a: float, b: float, target: str, ok: Callable[[float], bool]) -> Row:
-    return name, a, b, target, ok(a / b) if b else False
+def _ratio(name: str, a: float, b: float, bound: float, at_most: bool = True) -> Row:
+    """``a / b`` against ``bound``: at most it (``at_most``) or at least it."""
+    ok = b != 0 and (a / b <= bound if at_most else a / b >= bound)
+    return name, a, b, f"{'<=' if at_most else '>='} {bound:g}", ok
 
 
 def rows(results: dict[str, Any], store: dict[str, Any] | None) -> list[Row]:
     """The targets of ``results`` (results.json's ``scenarios``) and ``store`` (bench store's
     ``results``). Raises KeyError naming a missing figure."""
 
-    def mode(scenario: str, name: str) -> dict[str, Any]:
-        found: dict[str, Any] = results[scenario]["modes"][name]
-        return found
+    def fig(scenario: str, mode: str, key: str) -> float:
+        return float(results[scenario]["modes"][mode][key])
 
-    session, hol, restart = (mode(s, "kvkeep") for s in ("session", "hol", "restart"))
-    cold = {m: mode("ttft", m)["sizes"]["8192"]["cold_s"] for m in ("kvkeep", "vllm")}
+    def vs_vllm(scenario: str, key: str, bound: float) -> Row:
+        a, b = fig(scenario, "kvkeep", key), fig(scenario, "vllm", key)
+        return _ratio(f"{scenario} {key} kvkeep / vllm", a, b, bound)
+
+    cold = [results["ttft"]["modes"][m]["sizes"]["8192"]["cold_s"] for m in ("kvkeep", "vllm")]
+    ready, vllm_ready = (
+        fig("restart", "kvkeep", "restart_ready_s"),
+        fig("restart", "vllm", "restart_ready_s"),
+    )
     out = [
+        vs_vllm("session", "session_s", 1.05),
+        _ratio("ttft cold_s at 8192 kvkeep / vllm", cold[0], cold[1], 1.05),
+        vs_vllm("hol", "ttft_beside_prefill_s", 1.2),
+        vs_vllm("hol", "long_prefill_ttft_s", 1.05),
         _ratio(
-            "S1 session_s kvkeep / vllm",
-            session["session_s"],
-            mode("session", "vllm")["session_s"],
-            "<= 1.05",
-            lambda r: r <= 1.05,
+            "restart after_engine_restart_ttft_s / warm_ttft_s (kvkeep)",
+            fig("restart", "kvkeep", "after_engine_restart_ttft_s"),
+            fig("restart", "kvkeep", "warm_ttft_s"),
+            1.2,
         ),
+        ("restart restart_ready_s kvkeep - vllm", ready, vllm_ready, "<= +1 s",
+         ready <= vllm_ready + 1.0),
         _ratio(
-            "S2 cold_s at 8192 kvkeep / vllm",
-            cold["kvkeep"],
-            cold["vllm"],
-            "<= 1.05",
-            lambda r: r <= 1.05,
+            "agents turns_per_min kvkeep / none",
+            fig("agents", "kvkeep", "turns_per_min"),
+            fig("agents", "none", "turns_per_min"),
+            5,
+            at_most=False,
         ),
-        _ratio(
-            "S6 ttft_beside_prefill_s kvkeep / vllm",
-            hol["ttft_beside_prefill_s"],
-            mode("hol", "vllm")["ttft_beside_prefill_s"],
-            "<= 1.2",
-            lambda r: r <= 1.2,
-        ),
-        _ratio(
-            "S6 long_prefill_ttft_s kvkeep / vllm",
-            hol["long_prefill_ttft_s"],
-            mode("hol", "vllm")["long_prefill_ttft_s"],
-            "<= 1.05",
-            lambda r: r <= 1.05,
-        ),
-        _ratio(
-            "S4 after_engine_restart_ttft_s / warm_ttft_s (kvkeep)",
-            restart["after_engine_restart_ttft_s"],
-            restart["warm_ttft_s"],
-            "<= 1.2",
-            lambda r: r <= 1.2,
-        ),
-    ]
-    ready, vllm_ready = restart["restart_ready_s"], mode("restart", "vllm")["restart_ready_s"]
-    out.append(
-        (
-            "S4 restart_ready_s kvkeep - vllm",
-            ready,
-            vllm_ready,
-            "<= +1 s",
-            ready <= vllm_ready + 1.0,
-        )
-    )
-    out.append(
-        _ratio(
-            "S5 turns_per_min kvkeep / none",
-            mode("agents", "kvkeep")["turns_per_min"],
-            mode("agents", "none")["turns_per_min"],
-            ">= 5",
-            lambda r: r >= 5,
-        )
-    )
+    ]  # fmt: skip
     if store is not None:
-        out.append(
-            _ratio(
-                "store ram_get_verified_gbps / memcpy_gbps",
-                store["ram_get_verified_gbps"],
-                store["memcpy_gbps"],
-                ">= 0.5",
-                lambda r: r >= 0.5,
+        for key, reference in (("ram_get_verified_gbps", "memcpy_gbps"),
+                               ("disk_get_gbps", "disk_direct_read_gbps")):  # fmt: skip
+            out.append(
+                _ratio(f"store {key} / {reference}", store[key], store[reference], 0.5, False)
             )
-        )
-        out.append(
-            _ratio(
-                "store disk_get_gbps / disk_direct_read_gbps",
-                store["disk_get_gbps"],
-                store["disk_direct_read_gbps"],
-                ">= 0.5",
-                lambda r: r >= 0.5,
-            )
-        )
     return out
 
 
