@@ -29,6 +29,7 @@ from kvkeep.bench.deploy.vllm import VLLMServer
 from kvkeep.keys import BlockKey, chain_keys, root_key_of
 from kvkeep.serve import CacheServerProcess
 from kvkeep.server.client import KVKeepClient, Session
+from kvkeep.store.base import checksum
 
 MODEL_NAME = "kvkeep-tiny"
 BLOCK = 128
@@ -243,7 +244,7 @@ def plant_wrong_block(
     slots = client.reserve(session, [keys[index]])
     assert len(slots) == 1, "the block to replace is still stored"
     client.slot_view(slots[0])[:] = data
-    assert client.commit(session, slots) == 1
+    assert client.commit(session, slots, [checksum(data.data)]) == 1
 
 
 def drop(client: KVKeepClient, ns: StoredNamespace, keys: list[BlockKey]) -> bool:

@@ -33,6 +33,7 @@ from kvkeep.bench.criterion import same_as_cold, same_as_hit
 from kvkeep.bench.deploy.vllm import LaunchConfig, VLLMServer
 from kvkeep.bench.metrics import kvkeep_tokens
 from kvkeep.serve import CacheServerConfig, CacheServerProcess
+from kvkeep.store.base import checksum
 
 from .engine import (
     BLOCK,
@@ -312,7 +313,7 @@ def _flood(rig: Rig, blocks: int) -> None:
         session = client.session(os.urandom(32), ns.block_bytes, "flood")
         for _ in range(blocks):
             slots = client.reserve(session, [os.urandom(32)])
-            client.commit(session, slots)
+            client.commit(session, slots, [checksum(client.slot_view(s).data) for s in slots])
     finally:
         client.close()
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from kvkeep.keys import Namespace, chain_keys
 from kvkeep.server.client import CacheUnavailable, KVKeepClient
+from kvkeep.store.base import checksum
 
 NS = Namespace("tiny-model", "bfloat16", "LBHNC", "cpu", block_size=16)
 BLOCK = 64 * 1024
@@ -64,7 +65,7 @@ def store(client: KVKeepClient, session, batch) -> None:  # type: ignore[no-unty
     slots = client.reserve(session, batch)
     for slot in slots:
         client.slot_view(slot)[:] = payload(slot.key)
-    client.commit(session, slots)
+    client.commit(session, slots, [checksum(payload(s.key).data) for s in slots])
 
 
 def read(client: KVKeepClient, session, batch, report: Report) -> None:  # type: ignore[no-untyped-def]

@@ -9,10 +9,12 @@ import socket
 import stat
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvkeep.server import protocol as p
 from kvkeep.server.client import CacheRefused, KVKeepClient
+from kvkeep.store.base import checksum
 
 from .conftest import MakeServer, Server
 from .helpers import BLOCK, NS, disk_stats, fetch, keys, payload, store
@@ -52,7 +54,7 @@ def test_changed_model_gets_zero_hits_and_one_clear_warning(server: Server, chan
     session = writer.hello(ns, block_bytes)
     slot = writer.reserve(session, old_keys[:1])[0]  # the same key, its own namespace
     writer.slot_view(slot)[:] = 7
-    writer.commit(session, [slot])
+    writer.commit(session, [slot], [checksum(np.full(slot.length, 7, np.uint8).data)])
     old = KVKeepClient(server.socket)
     old_session = old.hello(NS, BLOCK)
     assert fetch(old, old_session, old_keys) == [payload(k).tobytes() for k in old_keys]

@@ -6,6 +6,7 @@ import numpy as np
 
 from kvkeep.keys import BlockKey, Namespace, chain_keys
 from kvkeep.server.client import KVKeepClient, Session, SlotRef
+from kvkeep.store.base import checksum
 
 NS = Namespace("tiny-model", "bfloat16", "LBHNC", "cpu", block_size=16)
 BLOCK = 64 * 1024
@@ -24,7 +25,7 @@ def store(client: KVKeepClient, session: Session, block_keys: list[BlockKey]) ->
     slots = client.reserve(session, block_keys)
     for slot in slots:
         client.slot_view(slot)[:] = payload(slot.key, slot.length)
-    client.commit(session, slots)
+    client.commit(session, slots, [checksum(payload(s.key, s.length).data) for s in slots])
     return slots
 
 

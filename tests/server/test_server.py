@@ -12,11 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import numpy as np
 import pytest
 
 from kvkeep.keys import Namespace
 from kvkeep.server import protocol as p
 from kvkeep.server.client import CacheRefused, CacheUnavailable, KVKeepClient
+from kvkeep.store.base import checksum
 from serverproc import Server
 
 from .helpers import BLOCK, NS, keys, payload, read_back, store
@@ -89,7 +91,7 @@ def test_namespaces_never_alias(server: Server) -> None:
     slot = client.reserve(b, [same_key])[0]
     assert slot.length == 2 * BLOCK
     client.slot_view(slot)[:] = 7
-    client.commit(b, [slot])
+    client.commit(b, [slot], [checksum(np.full(slot.length, 7, np.uint8).data)])
     assert read_back(client, a, [same_key]) == [payload(same_key).tobytes()]
     assert read_back(client, b, [same_key]) == [bytes([7]) * 2 * BLOCK]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,8 +18,10 @@ from kvkeep.keys import BlockKey, Namespace, chain_keys
 from kvkeep.server.client import KVKeepClient, Session, SlotRef
 from kvkeep.vllm import saver as saver_module
 from kvkeep.vllm.layout import KVLayout, LayoutDescription
+from kvkeep.vllm.loader import BlockLoader
 from kvkeep.vllm.saver import Saver, _Ring, staging_shape
-from kvkeep.vllm.scheduling import BlockTransfer, Counters
+from kvkeep.vllm.scheduling import BlockTransfer, Counters, RequestLoad
+from kvkeep.vllm.transfer import Mover
 from serverproc import Server
 
 L, B, H, N, C = 2, 12, 2, 16, 32
@@ -310,3 +313,91 @@ def test_the_saver_thread_is_not_bound_to_its_creator_s_core(server: Server) -> 
         time.sleep(0.01)
     assert os.sched_getaffinity(thread_id) == allowed, "the saver kept its creator's core"
     saver.shutdown()
+
+
+class GatedSaver(Saver):
+    """A saver whose copy of a row into its slot can be held just before it starts
+    (``hold_before``) or just after it ends (``hold_after``): gates in place of timing."""
+
+    def __init__(self, *args: object, hold_before: bool = False, hold_after: bool = False,
+                 **kwargs: object) -> None:  # fmt: skip
+        self.hold_before, self.hold_after = hold_before, hold_after
+        self.at_gate, self.go = threading.Event(), threading.Event()
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    def _copy_into(self, slot: np.ndarray, row: np.ndarray) -> None:
+        if self.hold_before:
+            self.at_gate.set()
+            assert self.go.wait(10)
+        np.copyto(slot, row)
+        if self.hold_after:
+            self.at_gate.set()
+            assert self.go.wait(10)
+
+
+def gated(srv: Server, layout: KVLayout, **holds: bool) -> tuple[GatedSaver, Counters, list[int]]:
+    """A gated saver on its own connection, its counters and the offsets it RESERVEd."""
+    counters = Counters()
+    client = KVKeepClient(srv.socket, timeout_s=2.0)
+    saver = GatedSaver(client, layout, counters.add, counters.timed, (4, 8), **holds)
+    offsets: list[int] = []
+    reserve = client.reserve
+
+    def spied(session: Session, ks: Sequence[BlockKey]) -> list[SlotRef]:
+        slots = reserve(session, ks)
+        offsets.extend(s.offset for s in slots)
+        return slots
+
+    client.reserve = spied  # type: ignore[method-assign]
+    return saver, counters, offsets
+
+
+def connections(srv: Server) -> int:
+    client = KVKeepClient(srv.socket, timeout_s=2.0)
+    try:
+        return int(client.stats()["connections"]) - 1  # not this one
+    finally:
+        client.close()
+
+
+def test_a_stray_write_into_a_slot_before_its_commit_is_a_miss_not_a_hit(server: Server) -> None:
+    """Writer 1 loses its reservation of slot X mid-copy (its connection closes, as after
+    ``Saver.shutdown``'s join times out); the free list hands X to writer 2 at once; writer
+    1's bytes land in X after writer 2 copied its own and before writer 2 COMMITs. The
+    checksum writer 2 commits is of its own staged row, so a load of its key fails the
+    check and is a counted miss; a checksum of the slot would have passed the wrong bytes."""
+    one, two = engine(), engine()
+    session = KVKeepClient.session(NS, one.block_bytes)
+    first, second = keys(1, offset=0)[0], keys(1, offset=5000)[0]
+    writer1, counters1, offsets1 = gated(server, one, hold_before=True)
+    assert writer1.stage(session, [BlockTransfer(3, first)]) == 1
+    assert writer1.at_gate.wait(10), "writer 1 reserved its slot and is about to copy"
+    assert connections(server) == 1
+    writer1.client.close()  # the server aborts writer 1's reservation of X
+    deadline = time.monotonic() + 10
+    while connections(server) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    writer2, counters2, offsets2 = gated(server, two, hold_after=True)
+    assert writer2.stage(session, [BlockTransfer(5, second)]) == 1
+    assert writer2.at_gate.wait(10), "writer 2 copied its row and has not committed"
+    assert offsets2 == offsets1, "the free list gave writer 2 the slot writer 1 lost"
+    writer1.go.set()  # writer 1's bytes land in X; its COMMIT then fails
+    assert writer1.drain(10) and counters1.values["save_failures"] == 1
+    writer2.go.set()
+    assert writer2.drain(10) and counters2.values["save_failures"] == 0
+    assert block_bytes(one, 3) != block_bytes(two, 5)
+
+    reader = KVKeepClient(server.socket, timeout_s=2.0)
+    assert reader.lookup(session, [second]).num_present == 1, "writer 2's COMMIT was taken"
+    target = engine()
+    counters = Counters()
+    loader = BlockLoader(KVKeepClient(server.socket, timeout_s=2.0), target, Mover(),
+                         counters.add, counters.timed)  # fmt: skip
+    assert loader.load(session, RequestLoad("r", (BlockTransfer(0, second),))) == 0, (
+        "writer 1's bytes under writer 2's key passed the load's check"
+    )
+    assert reader.lookup(session, [second]).num_present == 0, "the bad slot was dropped"
+    assert reader.stats()["tiers"]["ram"]["checksum_failures"] == 1
+    reader.close()
+    for saver in (writer1, writer2):
+        saver.shutdown()

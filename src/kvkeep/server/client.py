@@ -166,14 +166,13 @@ class KVKeepClient:
                 slots = p.ReserveReply.decode(reply).slots
                 return [self._slot(keys[s.key_index], s.offset, session, 0) for s in slots]
 
-    def commit(
-        self, session: Session, slots: Sequence[SlotRef], checksums: Sequence[int] | None = None
-    ) -> int:
-        """Publish written slots; computes their checksums unless given. Returns how many."""
-        crcs = (
-            list(checksums) if checksums is not None else [checksum(self._buffer(s)) for s in slots]
-        )
-        rows = tuple(p.ChecksummedSlot(s.offset, c) for s, c in zip(slots, crcs, strict=True))
+    def commit(self, session: Session, slots: Sequence[SlotRef], checksums: Sequence[int]) -> int:
+        """Publish written slots, each with the checksum of the bytes its writer meant to put
+        there, taken from the writer's source, never read back from the slot: another writer
+        can reach a slot whose reservation was lost, and a checksum of the slot would cover
+        its bytes. Returns how many were published (a slot no longer reserved by this
+        connection is not)."""
+        rows = tuple(p.ChecksummedSlot(s.offset, c) for s, c in zip(slots, checksums, strict=True))
         with self._op():
             reply = self._call_ns(session, lambda ns: p.CommitRequest(rows, ns))
             with self._parsing(p.Op.COMMIT):

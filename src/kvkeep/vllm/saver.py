@@ -3,11 +3,11 @@
 On the step (``Saver.stage``, from ``wait_for_save``) the only work is one batched copy of the
 step's new blocks out of the engine's KV cache into a staging buffer that kvkeep owns. The
 step never waits for an RPC or a checksum: a background thread, on its own connection to the
-cache server, then RESERVEs slots (the server skips keys it holds), copies each staged block
-into its slot, checksums the slot and COMMITs::
+cache server, then RESERVEs slots (the server skips keys it holds), checksums each staged
+block and copies it into its slot, and COMMITs::
 
     step:        gather_blocks(ids) -> staging rows          (the only copy vLLM waits for)
-    background:  RESERVE keys -> rows into slots -> checksum(slot) -> COMMIT -> free the rows
+    background:  RESERVE keys -> checksum(row), row into slot -> COMMIT -> free the rows
 
 The background thread stores several steps' jobs at once, and not while a prefill runs: after
 a job it waits for more as long as steps keep staging (one within ``QUIET_S`` of the last),
@@ -29,9 +29,13 @@ Why staging, not slots leased ahead: a slot is reserved under its key, and the k
 step's blocks are known only when its plan arrives; an RPC to get them would be on the step.
 The price is one memcpy per saved byte, off the step.
 
-Safety: a slot is only ever committed with the checksum of its own bytes, copied from the
-row that was gathered for its key; a failed RESERVE, copy or COMMIT releases the slots and
-counts a save failure (nothing is published). Staging memory is bounded: when all its rows are
+Integrity: a slot is committed with the checksum of the staged row gathered for its key (on
+CUDA, the row as the DMA left it in host staging), taken from that row, never from the slot
+after the copy. The slot is shared memory that another writer can reach (a reservation this
+saver lost when its connection closed is handed to the next RESERVE at once, and this copy may
+still be landing in it): whatever the slot holds at COMMIT, only the engine's bytes pass the
+check at load; anything else is a miss. A failed RESERVE, copy or COMMIT releases the slots
+and counts a save failure (nothing is published). Staging memory is bounded: when all its rows are
 in flight the step's saves are skipped and counted (``saves_skipped_busy``), never waited for.
 A dead cache server costs only saves. ``shutdown`` drains what is queued (bounded by the
 client's timeout per RPC); reservations left behind die with the connection, which the server
@@ -276,7 +280,7 @@ class Saver:
         self._wake.set()
 
     def _store(self, jobs: Sequence[_Job]) -> None:
-        """RESERVE, copy rows into slots, checksum, COMMIT; on any failure publish nothing.
+        """RESERVE, checksum rows and copy them into slots, COMMIT; on any failure publish nothing.
         ``jobs`` share one session; a key staged twice is stored from its first row."""
         rows: dict[BlockKey, torch.Tensor] = {}
         for job in jobs:
@@ -291,8 +295,10 @@ class Saver:
                 return
             crcs = self._fill(rows, slots)
             with self._timed("commit_rpc_s"):
-                self.client.commit(jobs[0].session, slots, crcs)
-            self._count("saved_tokens", len(slots) * self.layout.description.block_size)
+                committed = self.client.commit(jobs[0].session, slots, crcs)
+            self._count("saved_tokens", committed * self.layout.description.block_size)
+            if committed < len(slots):  # reservations lost with a connection: not ours now
+                self._count("save_failures", 1)
         except Exception as exc:
             self._count("save_failures", 1)
             log.debug("kvkeep: save failed: %s", exc)
@@ -300,23 +306,32 @@ class Saver:
                 self.client.release(slots)
 
     def _fill(self, rows: dict[BlockKey, torch.Tensor], slots: Sequence[SlotRef]) -> list[int]:
-        """Copy each slot's row into it; the checksums of the slots' bytes, in order. The
-        phases are timed per batch, not per slot: on 2 cores four counter updates a slot cost
-        more than a 256 KiB block's checksum."""
+        """Checksum each slot's row and copy it into the slot; the checksums, in order.
+
+        The checksum is of the row, the bytes the engine computed, read once just before the
+        copy reads them again from cache. Taken from the slot after the copy it would cover
+        whatever else was written there meanwhile (see the module doc). The phases are timed
+        per batch, not per slot: on 2 cores four counter updates a slot cost more than a
+        256 KiB block's checksum."""
         crcs = []
         clock, copy_s, hash_s = time.perf_counter, 0.0, 0.0
         try:
             for slot in slots:
-                view = self.client.slot_view(slot)
+                row = rows[slot.key].numpy()
                 t0 = clock()
-                np.copyto(view, rows[slot.key].numpy())
+                crcs.append(checksum(row.data))
                 t1 = clock()
-                crcs.append(checksum(view.data))
-                copy_s, hash_s = copy_s + t1 - t0, hash_s + clock() - t1
+                self._copy_into(self.client.slot_view(slot), row)
+                copy_s, hash_s = copy_s + clock() - t1, hash_s + t1 - t0
         finally:
             self._count("slot_copy_s", copy_s)
             self._count("checksum_s", hash_s)
         return crcs
+
+    @staticmethod
+    def _copy_into(slot: np.ndarray, row: np.ndarray) -> None:
+        """One staged row into its arena slot (a seam for the race tests' gates)."""
+        np.copyto(slot, row)
 
     # lifecycle -----------------------------------------------------------------------------
 
