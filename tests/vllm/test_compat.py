@@ -19,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.lora.request import LoRARequest
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.sampling_params import SamplingParams
-from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -128,6 +128,21 @@ class FakeClient:
         return LookupResult(len(keys), ("ram",) * len(keys))
 
 
+def kv_cache_manager(num_blocks: int = 64) -> KVCacheManager:
+    """A real vLLM KV cache manager of one full-attention group of BS-token blocks."""
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    config = KVCacheConfig(num_blocks, [], [KVCacheGroupSpec(["layer0"], spec)])
+    return KVCacheManager(config, max_model_len=1024, scheduler_block_size=BS, hash_block_size=BS)
+
+
+def bound(client: Any, *args: Any, **kwargs: Any) -> SchedulerSide:
+    """A scheduler side bound to a real KV cache manager, as vLLM's scheduler binds one at
+    start-up (without one, no load is synchronous)."""
+    side = SchedulerSide(None, None, client, *args, **kwargs)
+    side.bind(kv_cache_manager())
+    return side
+
+
 def fake_namespaces(
     monkeypatch: pytest.MonkeyPatch, spaces: list[Namespace], known: str | None = NS.backend
 ) -> None:
@@ -149,7 +164,7 @@ def side(monkeypatch: pytest.MonkeyPatch) -> tuple[SchedulerSide, FakeClient]:
     monkeypatch.setattr(compat, "expected_block_bytes", lambda kv_cache_config, group=0: 1024)
     monkeypatch.setattr(compat, "group_windows", lambda kv_cache_config: (None,))
     client = FakeClient()
-    return SchedulerSide(None, None, client), client  # type: ignore[arg-type]
+    return bound(client), client
 
 
 def blocks(n: int) -> KVCacheBlocks:
@@ -230,7 +245,7 @@ def test_on_cpu_the_scheduler_keys_under_the_backend_the_workers_hand_over(
     monkeypatch.setattr(compat, "group_windows", lambda kv_cache_config: (None,))
     monkeypatch.setattr(compat, "attention_backend", lambda *a: pytest.fail("imported here"))
     client = HelloClient()
-    scheduler = SchedulerSide(None, None, client)  # type: ignore[arg-type]
+    scheduler = bound(client)
     assert client.hellos == [], "no namespace is announced before the backend is known"
     sent = pickle.loads(pickle.dumps(KVKeepHandshake("cpu_attn/amx")))  # as vLLM ships it
     handshake_connector(scheduler).set_xfer_handshake_metadata({0: sent})
@@ -252,7 +267,7 @@ def test_without_a_handshake_the_first_request_finds_the_backend_itself(
     monkeypatch.setattr(compat, "group_windows", lambda kv_cache_config: (None,))
     monkeypatch.setattr(compat, "attention_backend", lambda *a: "cpu_attn/vec16")
     client = HelloClient()
-    scheduler = SchedulerSide(None, None, client)  # type: ignore[arg-type]
+    scheduler = bound(client)
     assert scheduler.match(request(), 0) == (3 * BS, False)
     assert scheduler.namespace.backend == "cpu_attn/vec16"
     assert client.hellos == [scheduler.namespace.digest()]
@@ -285,8 +300,8 @@ def test_a_big_hit_loads_asynchronously_and_saves_after_it_when_vllm_resumes(
     fake_namespaces(monkeypatch, [NS])
     monkeypatch.setattr(compat, "expected_block_bytes", lambda kv_cache_config, group=0: 1024)
     monkeypatch.setattr(compat, "group_windows", lambda kv_cache_config: (None,))
-    scheduler = SchedulerSide(None, None, FakeClient(), load_async_min_blocks=3)  # type: ignore[arg-type]
-    small = SchedulerSide(None, None, FakeClient(), load_async_min_blocks=4)  # type: ignore[arg-type]
+    scheduler = bound(FakeClient(), load_async_min_blocks=3)
+    small = bound(FakeClient(), load_async_min_blocks=4)
     req = request()
     assert small.match(req, 0) == (3 * BS, False)
     assert scheduler.match(req, 0) == (3 * BS, True)
@@ -319,7 +334,7 @@ def test_auto_loads_a_big_hit_synchronously_when_no_other_request_runs(
     fake_namespaces(monkeypatch, [NS])
     monkeypatch.setattr(compat, "expected_block_bytes", lambda kv_cache_config, group=0: 1024)
     monkeypatch.setattr(compat, "group_windows", lambda kv_cache_config: (None,))
-    scheduler = SchedulerSide(None, None, FakeClient(), 3, sync_when_alone=True)  # type: ignore[arg-type]
+    scheduler = bound(FakeClient(), 3, sync_when_alone=True)
     alone = request("alone")
     assert scheduler.match(alone, 0) == (3 * BS, False)
     scheduler.after_alloc(alone, blocks(3), 3 * BS)

@@ -240,6 +240,13 @@ def request_tokens(request: Any) -> Sequence[int]:
     return request.all_token_ids
 
 
+def vllm_block_hashes(request: Any) -> Sequence[bytes]:
+    """vLLM's own hashes of a request's full blocks (``Request.block_hashes``), the identity
+    under which its prefix cache shares a block. vLLM computes them whenever prefix caching
+    or a KV connector is on; one hash a block when there is one KV cache group."""
+    return getattr(request, "block_hashes", None) or ()
+
+
 def request_salt(request: Any) -> str | None:
     return getattr(request, "cache_salt", None)
 

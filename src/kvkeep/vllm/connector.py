@@ -184,6 +184,13 @@ class KVKeepConnector(KVConnectorBase_V1, SupportsHMA):
 
     # scheduler side -------------------------------------------------------------------------
 
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        """vLLM's scheduler binds its KV cache manager at start-up: the guard's rule 2 evicts
+        a failed synchronous load's blocks through it (``SchedulerSide.bind``)."""
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._scheduler is not None:
+            self._scheduler.bind(kv_cache_manager)
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -207,8 +214,8 @@ class KVKeepConnector(KVConnectorBase_V1, SupportsHMA):
         if connector_output.finished_recving:
             failed = set(connector_output.failed_recving or ())
             self._scheduler.loads_finished(set(connector_output.finished_recving), invalid, failed)
-        if invalid:  # vLLM 0.32 binds its KV cache manager to the scheduler-side connector
-            self._scheduler.load_errors(invalid, getattr(self, "_kv_cache_manager", None))
+        if invalid:
+            self._scheduler.load_errors(invalid)
 
     def request_finished(
         self, request: Request, block_ids: list[int]

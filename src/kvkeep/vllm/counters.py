@@ -51,6 +51,8 @@ COUNTER_NAMES = (
     "async_loads_failed",
     "admissions_deferred",
     "blocks_evicted",
+    "evict_failures",
+    "sync_loads_refused",
     "audit_blocks",
     "audit_mismatches",
     "unkeyable_lora",

@@ -8,12 +8,13 @@ step's ``StepPlan`` (loads, and blocks that become full, to save). The arithmeti
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
 from kvkeep.server.client import CacheUnavailable, KVKeepClient
 from kvkeep.vllm import compat
-from kvkeep.vllm.guard import SyncLoadGuard, tails_from
+from kvkeep.vllm.guard import SyncLoadGuard, first_failed, tails_from
 from kvkeep.vllm.refresh import Refresher
 from kvkeep.vllm.scheduling import (
     BlockTransfer,
@@ -69,6 +70,11 @@ class SchedulerSide:
         self._unkeyable: set[str] = set()  # req_ids counted as unkeyable, until finished
         self.refresher = Refresher(client.sibling())  # keeps vLLM's device hits warm
         self.guard = SyncLoadGuard(compat.plans_in_flight(vllm_config))  # see kvkeep.vllm.guard
+        # vLLM's KV cache manager, bound at start-up (``bind``): rule 2 of the guard evicts
+        # through it, and without it no load may be synchronous.
+        self._kv_cache_manager: Any = None
+        self._can_evict = False  # False also once an eviction raised
+        self._said_async_only = False
         if not self.backend_pending:
             self._announce(client.socket_path)
 
@@ -131,6 +137,29 @@ class SchedulerSide:
         more = f", {len(self.books)} KV cache groups" if self.hybrid else ""
         return f"{ns.digest().hex()[:12]} ({ns.backend}, {ns.layout}, block {ns.block_size}{more})"
 
+    def bind(self, kv_cache_manager: Any) -> None:
+        """vLLM's KV cache manager, bound once at start-up before any request. Rule 2 of
+        :mod:`kvkeep.vllm.guard` needs its ``evict_blocks``; without it every load is
+        asynchronous (said here, once)."""
+        self._kv_cache_manager = kv_cache_manager
+        self._can_evict = callable(getattr(kv_cache_manager, "evict_blocks", None))
+        if not self._can_evict:
+            self._async_only(f"vLLM's KV cache manager ({type(kv_cache_manager).__name__}) "
+                             "cannot evict blocks")  # fmt: skip
+
+    def _sync_loads_safe(self) -> bool:
+        """Whether a synchronous load may be planned: a failed one's blocks can be evicted."""
+        if self._kv_cache_manager is None:
+            self._async_only("vLLM bound no KV cache manager to the connector")
+        return self._can_evict
+
+    def _async_only(self, why: str) -> None:
+        if not self._said_async_only and not self.hybrid:
+            self._said_async_only = True
+            log.warning("kvkeep: %s, so a failed synchronous load's blocks could not leave "
+                        "vLLM's prefix cache; every load is asynchronous (counted as "
+                        "sync_loads_refused)", why)  # fmt: skip
+
     def match(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens kvkeep can supply beyond ``num_computed_tokens``, and whether they load in
         the background (vLLM's ``load_async``); (0, False) on any failure. Idempotent for
@@ -139,11 +168,12 @@ class SchedulerSide:
         known yet (:mod:`kvkeep.vllm.guard`)."""
         try:
             self._backend_known()
-            if compat.unkeyable_reason(request) is not None:
-                return 0, False  # no LOOKUP; after_alloc counts the reason once
+            # Before anything else: vLLM admits any request over its hit, keyable or not.
             if self._on_unconfirmed_blocks(request, num_computed_tokens):
                 self.counters.add("admissions_deferred", 1)
                 return None, False
+            if compat.unkeyable_reason(request) is not None:
+                return 0, False  # no LOOKUP; after_alloc counts the reason once
             with self.counters.timed("match_s"):
                 match = self._match(request, num_computed_tokens)
         except Exception:
@@ -156,11 +186,23 @@ class SchedulerSide:
         return match.num_blocks * self.book.block_size, background
 
     def _on_unconfirmed_blocks(self, request: Any, num_computed: int) -> bool:
+        """Whether vLLM's hit (its first ``num_computed`` tokens, by vLLM's block hashes)
+        covers a block the guard holds. Orphaned blocks go once vLLM's prefix cache can be
+        reset (nothing runs)."""
         if not self.guard.active or num_computed < self.book.block_size:
             return False
-        tokens, salt = compat.request_tokens(request), compat.request_salt(request)
-        keys = self.book.keys_for(request.request_id, tokens, salt)
-        return self.guard.covers(keys[: num_computed // self.book.block_size])
+        hashes = compat.vllm_block_hashes(request)[: num_computed // self.book.block_size]
+        if not self.guard.covers(hashes):
+            return False
+        reset = getattr(self._kv_cache_manager, "reset_prefix_cache", None)
+        if self.guard.orphaned and reset is not None:
+            with contextlib.suppress(Exception):
+                if reset():
+                    self.guard.clear_orphaned()
+                    log.info("kvkeep: vLLM's prefix cache was reset: no block a failed load "
+                             "left in it can be hit any more")  # fmt: skip
+                    return self.guard.covers(hashes)
+        return True
 
     def _match(self, request: Any, num_computed: int) -> Match:
         """The memoised answer, or a new one: blocks found and whether they load in the
@@ -175,7 +217,11 @@ class SchedulerSide:
         claim = claim_range(num_tokens, num_computed, self.book.block_size)
         found = self._lookup_groups(request, claim) if self.hybrid else self._lookup(request, claim)
         others = len(self._requests) - (req_id in self._requests)  # running, or loading
-        match = Match(num_computed, num_tokens, found, self.book.in_background(found, others))
+        background = self.book.in_background(found, others)
+        if found and not background and not self.hybrid and not self._sync_loads_safe():
+            background = True
+            self.counters.add("sync_loads_refused", 1)
+        match = Match(num_computed, num_tokens, found, background)
         for book in self.books:
             book.remember_match(req_id, match)
         return match
@@ -257,8 +303,7 @@ class SchedulerSide:
             if started[0].background:
                 self.counters.add("async_loads", 1)
             else:  # the loaded blocks and those this step computes on top of them
-                written = self.book.leading_keys(request.request_id, request.num_tokens)
-                self.guard.hold(written[local:])
+                self.guard.hold(compat.vllm_block_hashes(request)[local:])
         # The prefix vLLM serves from its own pool is in use: refresh it in kvkeep's RAM so
         # it outlives colder blocks there and is the first back after a vLLM restart.
         hot = self._hot_group
@@ -286,6 +331,7 @@ class SchedulerSide:
         saves: list[BlockTransfer] = []
         for new in out.scheduled_new_reqs:
             book.update_blocks(new.req_id, compat.new_block_ids_of(new.block_ids, group), True)
+            self.guard.progress(new.req_id, new.num_computed_tokens, book.block_size)
             after = new.num_computed_tokens + out.num_scheduled_tokens.get(new.req_id, 0)
             saves += self._saves(book, new.req_id, after)
         cached = out.scheduled_cached_reqs
@@ -293,6 +339,7 @@ class SchedulerSide:
             ids = compat.new_block_ids_of(cached.new_block_ids[i], group)
             book.update_blocks(req_id, ids, req_id in cached.resumed_req_ids)
             book.rewind(req_id, cached.num_computed_tokens[i])
+            self.guard.progress(req_id, cached.num_computed_tokens[i], book.block_size)
             after = cached.num_computed_tokens[i] + out.num_scheduled_tokens.get(req_id, 0)
             saves += self._saves(book, req_id, after)
         return book.take_plan(saves)
@@ -335,28 +382,41 @@ class SchedulerSide:
             log.info("kvkeep: asynchronous loads of %d requests failed; vLLM recomputes them",
                      len(failed))  # fmt: skip
 
-    def load_errors(self, block_ids: set[int], kv_cache_manager: Any = None) -> None:
+    def load_errors(self, block_ids: set[int]) -> None:
         """A step reported failed loads: its saves were dropped; plan them again. The failed
-        blocks, and what their requests hold after them, leave vLLM's prefix cache
-        (``kv_cache_manager``, vLLM's, when it bound one to the connector)."""
+        blocks, and what their requests hold after them, leave vLLM's prefix cache (rule 2
+        of :mod:`kvkeep.vllm.guard`)."""
         try:
             rewound = sum(book.on_load_errors() for book in self.books)
         except Exception:
             log.exception("kvkeep: could not rewind the save frontiers")
             return
-        evicted = self._evict(block_ids, kv_cache_manager)
+        evicted = self._evict(block_ids)
         log.info("kvkeep: %d blocks failed to load (%d blocks out of vLLM's prefix cache); "
                  "%d requests will save again after vLLM recomputes",
                  len(block_ids), evicted, rewound)  # fmt: skip
 
-    def _evict(self, block_ids: set[int], kv_cache_manager: Any) -> int:
-        if kv_cache_manager is None or self.hybrid:  # hybrids fail whole async loads only
+    def _evict(self, block_ids: set[int]) -> int:
+        """Rule 2; where the eviction fails, the blocks are held from admissions until their
+        owners computed them again, and no later load is synchronous."""
+        if self.hybrid:  # hybrids fail whole asynchronous loads only
             return 0
+        tables = self.book.block_tables()
         try:
-            tails = tails_from(self.book.block_tables(), block_ids)
-            kv_cache_manager.evict_blocks(tails)
+            if not self._can_evict:
+                raise RuntimeError("no KV cache manager that can evict was bound")
+            tails = tails_from(tables.values(), block_ids)
+            self._kv_cache_manager.evict_blocks(tails)
         except Exception:
-            log.exception("kvkeep: could not evict failed blocks from vLLM's prefix cache")
+            log.exception("kvkeep: could not evict failed blocks from vLLM's prefix cache; "
+                          "holding admissions over them until they are computed again")  # fmt: skip
+            self.counters.add("evict_failures", 1)
+            self._can_evict = False  # every load from here on is asynchronous
+            for req_id, first in first_failed(tables, block_ids).items():
+                request = self._requests.get(req_id)
+                if request is not None:
+                    hashes = compat.vllm_block_hashes(request)[first:]
+                    self.guard.hold_until_recomputed(req_id, first, hashes)
             return 0
         self.counters.add("blocks_evicted", len(tails))
         return len(tails)
@@ -366,3 +426,4 @@ class SchedulerSide:
             book.finish(req_id)
         self._requests.pop(req_id, None)
         self._unkeyable.discard(req_id)
+        self.guard.release(req_id)

@@ -340,9 +340,9 @@ class RequestBook:
         tracked = self._tracked.get(req_id)
         return tracked.keys[:count] if tracked is not None else []
 
-    def block_tables(self) -> list[list[int]]:
-        """Every tracked request's block table. No side effects."""
-        return [tracked.block_ids for tracked in self._tracked.values()]
+    def block_tables(self) -> dict[str, list[int]]:
+        """Every tracked request's block table, by request id. No side effects."""
+        return {req_id: tracked.block_ids for req_id, tracked in self._tracked.items()}
 
     def claims_for(self, req_id: str) -> bool:
         """Whether kvkeep may claim blocks for this request. Not after its asynchronous load

@@ -70,6 +70,8 @@ class KVKeepPromMetrics(KVConnectorPromMetrics):
         "async_loads_failed": "async_load_failed",  # requests with a failed block
         "admissions_deferred": "admission_deferred",  # a vLLM hit on an unconfirmed load
         "blocks_evicted": "evicted_after_failed_load",  # vLLM prefix-cache blocks
+        "evict_failures": "evict_failed",  # rule 2 raised: held instead, async from then on
+        "sync_loads_refused": "sync_load_refused",  # no way to evict: loaded asynchronously
         "audit_blocks": "audit_block",
         "audit_mismatches": "audit_mismatch",
         "unkeyable_lora": "unkeyable_lora",
