@@ -30,6 +30,7 @@ import httpx
 import pytest
 
 from kvkeep.bench.criterion import same_as_cold, same_as_hit
+from kvkeep.bench.deploy.rpcproxy import RpcProxy
 from kvkeep.bench.deploy.vllm import LaunchConfig, VLLMServer
 from kvkeep.bench.metrics import kvkeep_tokens
 from kvkeep.serve import CacheServerConfig, CacheServerProcess
@@ -52,7 +53,6 @@ from .engine import (
     reset_device_cache,
     worker_namespace,
 )
-from .rpcproxy import RpcProxy
 
 pytestmark = pytest.mark.e2e
 

@@ -44,7 +44,7 @@ def step(new: list[tuple[str, list[int], int]] = (), cached: list[tuple[str, int
     return SimpleNamespace(
         scheduled_new_reqs=[
             SimpleNamespace(req_id=r, block_ids=(ids,), num_computed_tokens=n) for r, ids, n in new
-        ],  # fmt: skip
+        ],
         scheduled_cached_reqs=SimpleNamespace(
             req_ids=[r for r, _ in cached],
             new_block_ids=[None for _ in cached],

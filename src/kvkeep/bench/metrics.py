@@ -65,6 +65,25 @@ def kvkeep_tokens(url: str) -> dict[str, float]:
     return out
 
 
+GUARD_EVENTS = (
+    "admission_deferred",
+    "evicted_after_failed_load",
+    "sync_load_refused",
+    "evict_failed",
+    "async_load_failed",
+)
+"""The connector's `vllm:kvkeep_events_total` ops that say a failed load was contained."""
+
+
+def kvkeep_events(url: str, ops: Sequence[str] = GUARD_EVENTS) -> dict[str, float]:
+    """The connector's `vllm:kvkeep_events_total` of ``ops`` (zeros when none happened)."""
+    out = dict.fromkeys(ops, 0.0)
+    for name, labels, value in samples(scrape(url)):
+        if name == "vllm:kvkeep_events_total" and labels.get("op") in out:
+            out[labels["op"]] += value
+    return out
+
+
 def kvkeep_profile(urls: Sequence[str]) -> dict[str, float]:
     """Seconds per connector phase (`vllm:kvkeep_seconds_total` by op, summed over ``urls``)
     and ``requests`` (`vllm:request_success_total`); empty phases when the connector is off."""

@@ -144,8 +144,9 @@ class SchedulerSide:
         self._kv_cache_manager = kv_cache_manager
         self._can_evict = callable(getattr(kv_cache_manager, "evict_blocks", None))
         if not self._can_evict:
-            self._async_only(f"vLLM's KV cache manager ({type(kv_cache_manager).__name__}) "
-                             "cannot evict blocks")  # fmt: skip
+            self._async_only(
+                f"vLLM's KV cache manager ({type(kv_cache_manager).__name__}) cannot evict blocks"
+            )
 
     def _sync_loads_safe(self) -> bool:
         """Whether a synchronous load may be planned: a failed one's blocks can be evicted."""
@@ -156,9 +157,12 @@ class SchedulerSide:
     def _async_only(self, why: str) -> None:
         if not self._said_async_only and not self.hybrid:
             self._said_async_only = True
-            log.warning("kvkeep: %s, so a failed synchronous load's blocks could not leave "
-                        "vLLM's prefix cache; every load is asynchronous (counted as "
-                        "sync_loads_refused)", why)  # fmt: skip
+            log.warning(
+                "kvkeep: %s, so a failed synchronous load's blocks could not leave "
+                "vLLM's prefix cache; every load is asynchronous (counted as "
+                "sync_loads_refused)",
+                why,
+            )
 
     def match(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens kvkeep can supply beyond ``num_computed_tokens``, and whether they load in
@@ -199,8 +203,10 @@ class SchedulerSide:
             with contextlib.suppress(Exception):
                 if reset():
                     self.guard.clear_orphaned()
-                    log.info("kvkeep: vLLM's prefix cache was reset: no block a failed load "
-                             "left in it can be hit any more")  # fmt: skip
+                    log.info(
+                        "kvkeep: vLLM's prefix cache was reset: no block a failed load "
+                        "left in it can be hit any more"
+                    )
                     return self.guard.covers(hashes)
         return True
 
@@ -408,8 +414,10 @@ class SchedulerSide:
             tails = tails_from(tables.values(), block_ids)
             self._kv_cache_manager.evict_blocks(tails)
         except Exception:
-            log.exception("kvkeep: could not evict failed blocks from vLLM's prefix cache; "
-                          "holding admissions over them until they are computed again")  # fmt: skip
+            log.exception(
+                "kvkeep: could not evict failed blocks from vLLM's prefix cache; "
+                "holding admissions over them until they are computed again"
+            )
             self.counters.add("evict_failures", 1)
             self._can_evict = False  # every load from here on is asynchronous
             for req_id, first in first_failed(tables, block_ids).items():

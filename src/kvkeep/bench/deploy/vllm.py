@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -236,15 +236,20 @@ class VLLMServer:
         self._up.set()
         return self
 
-    def restart(self, stop_timeout_s: float = 20.0) -> float:
+    def restart(
+        self, stop_timeout_s: float = 20.0, before_start: Callable[[], object] | None = None
+    ) -> float:
         """Stop vLLM and start it again on a new port (the cache server keeps running); returns
-        the seconds from the stop to the new one answering. Raises LaunchError."""
+        the seconds from the stop to the new one answering. ``before_start`` runs once the old
+        process is gone (it may change ``cfg``). Raises LaunchError."""
         t0 = time.monotonic()
         with self._lock:
             self._up.clear()
             self.generation += 1
         try:
             self.stop(stop_timeout_s)
+            if before_start is not None:
+                before_start()
             with self._lock:
                 self._new_port()
             self.start()

@@ -12,7 +12,7 @@ def table(doc: dict[str, Any]) -> str:
     """The run's figures as a plain-text table."""
     keys = ("requests", "failed_requests", "requests_lost_to_engine_restart", "wrong_outputs",
             "replies_compared", "ties_broken", "max_logprob_diff", "server_kills",
-            "engine_restarts",
+            "engine_restarts", "ready_faults", "ready_faults_missed", "guard",
             "live_corruptions", "bytes_flipped", "disk_checksum_failures", "kvkeep_hit_blocks",
             "kvkeep_loaded_tokens", "kvkeep_load_failed_tokens", "cached_fraction",
             "latency_p50_s", "latency_p99_s", "rss_growth_mb")  # fmt: skip
@@ -42,7 +42,13 @@ def _fmt(v: Any) -> str:
 
 def plot(doc: dict[str, Any], path: Path) -> Path:
     """Hit rate and RSS over time with the faults marked, drawn into ``path``."""
-    colours = {"server_kill": "red", "engine_restart": "black", "corrupt_live": "orange"}
+    colours = {
+        "server_kill": "red",
+        "engine_restart": "black",
+        "corrupt_live": "orange",
+        "ready_kill": "purple",
+        "ready_corrupt": "magenta",
+    }
     with figure(path, "bench soak", "seconds", "", rows=2) as (top, bottom):
         hits = doc["hit_rate_over_time"]
         top.plot([w["t_s"] for w in hits], [w["cached_fraction"] for w in hits], marker="o")

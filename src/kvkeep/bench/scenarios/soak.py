@@ -17,6 +17,12 @@ What it reports:
   reference is computed before the clock starts, under a fresh random ``cache_salt``, which
   roots vLLM's and kvkeep's block hashes where nothing is cached. ``replies_compared``,
   ``tokens_compared``, ``ties_broken`` and ``max_logprob_diff`` say how much was judged.
+- the ready faults (`SoakSpec.ready_faults`): ``ready_faults`` struck right after a vLLM
+  restart between the first LOOKUP and its ACQUIRE (``ready_faults_missed``: no ACQUIRE
+  came), and what the connector's guard did about failed loads meanwhile, summed over vLLM's
+  lifetimes (``guard``: admissions deferred over unconfirmed loads, blocks evicted after a
+  failed load, loads made asynchronous for want of an eviction, failed evictions, failed
+  asynchronous loads);
 - the hit rate per time window (cached prompt tokens from vLLM's usage, and blocks kvkeep's
   server served), and the private RSS of the cache server and of vLLM's process tree over
   time, with its growth within a lifetime (`soak_faults.rss_growth`).
@@ -27,11 +33,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import httpx
@@ -39,6 +48,7 @@ import httpx
 from kvkeep.bench.context import RunContext
 from kvkeep.bench.criterion import DRIFT_TOL, TOP_ALTERNATIVES, Verdict, same_as_cold
 from kvkeep.bench.criterion import Reply as Judged
+from kvkeep.bench.deploy.rpcproxy import RpcProxy
 from kvkeep.bench.deploy.vllm import VLLMServer
 from kvkeep.bench.http import agent_loop
 from kvkeep.bench.scenario import Needs
@@ -80,10 +90,17 @@ class SoakScenario:
         print(f"soak: {spec.minutes} min of agents and faults", file=sys.stderr)
         t0 = time.monotonic()
         sampler = Sampler(ctx.cache, ctx.engine, spec.sample_every_s, t0)
-        faults = Faults(spec, ctx.cache, ctx.engine, sampler)
+        # a unix socket's path has at most 107 bytes: the proxy's lives in a short directory
+        where = Path(tempfile.mkdtemp(prefix="kvkeep-soak-"))
+        proxy = RpcProxy(str(where / "proxy.sock"), ctx.cache.socket)
+        faults = Faults(spec, ctx.cache, ctx.engine, sampler, proxy)
         tally = Tally(ctx.engine, refs, t0)
-        with background("soak-sampler", sampler.loop), background("soak-faults", faults.run):
-            asyncio.run(agent_loop(sessions, tally.turn, until=t0 + spec.duration_s))
+        try:
+            with background("soak-sampler", sampler.loop), background("soak-faults", faults.run):
+                asyncio.run(agent_loop(sessions, tally.turn, until=t0 + spec.duration_s))
+        finally:
+            proxy.close()
+            shutil.rmtree(where, ignore_errors=True)
         sampler.sample()  # the counts since the last sample
         return summarize(spec, tally, faults, sampler.samples, ref_s, time.monotonic() - t0)
 
@@ -215,6 +232,9 @@ class SoakResult:
     max_logprob_diff: float
     server_kills: int
     engine_restarts: int
+    ready_faults: int
+    ready_faults_missed: int
+    guard: dict[str, float]
     live_corruptions: int
     bytes_flipped: int
     disk_checksum_failures: float
@@ -247,7 +267,8 @@ def summarize(spec: SoakSpec, tally: Tally, faults: Faults, samples: Sequence[Sa
         sum(r.verdict.ok and bool(r.verdict.why) for r in results),  # a tie broken
         max((r.verdict.worst for r in results), default=0.0),
         faults.count("server_kill"), faults.count("engine_restart"),
-        faults.count("corrupt_live"), faults.flipped, last.disk_checksum_failures,
+        faults.count("ready_kill") + faults.count("ready_corrupt"), faults.count("ready_missed"),
+        last.guard, faults.count("corrupt_live"), faults.flipped, last.disk_checksum_failures,
         last.kvkeep_hit_blocks, last.loaded_tokens, last.load_failed_tokens,
         _fraction(results), _pct(results, 0.5), _pct(results, 0.99),
         hit_windows(results, samples, spec.duration_s),
@@ -306,6 +327,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--down", type=float, default=d.down_s, help="seconds a killed server stays down"
     )
     p.add_argument("--no-corrupt", action="store_true", help="kill only; flip no disk bytes")
+    p.add_argument(
+        "--no-ready-faults",
+        action="store_true",
+        help="no fault at a restarted vLLM's first kvkeep load",
+    )
     p.add_argument("--num-blocks", type=int, default=d.num_blocks, help="vLLM's device pool")
     p.add_argument("--seed", type=int, default=d.seed)
     p.set_defaults(modes=["kvkeep"], cache_ram=d.cache_ram, cache_disk=d.cache_disk)  # fmt: skip
@@ -314,7 +340,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def build(args: argparse.Namespace) -> list[SoakScenario]:
     spec = SoakSpec(minutes=args.minutes, agents=args.agents, turns=args.turns, scale=args.scale,
                     kill_every_s=args.kill_every, restart_every_s=args.restart_every,
-                    down_s=args.down, corrupt=not args.no_corrupt, num_blocks=args.num_blocks,
+                    down_s=args.down, corrupt=not args.no_corrupt,
+                    ready_faults=not args.no_ready_faults, num_blocks=args.num_blocks,
                     seed=args.seed, cache_ram=args.cache_ram,
                     cache_disk=args.cache_disk)  # fmt: skip
     return [SoakScenario(spec)]

@@ -1,5 +1,6 @@
 """`bench soak`'s faults and what watches them: the schedule (`schedule`), the thread that
-kills the cache server, corrupts its disk and restarts vLLM (`Faults`), and the thread that
+kills the cache server, corrupts its disk and restarts vLLM, then strikes again as the new
+vLLM serves its first kvkeep load (`Faults`), and the thread that
 samples counters and memory meanwhile (`Sampler`), each run by `background`, with counters
 that survive the restarts (`Monotonic`) and the growth of memory within a process's lifetime
 (`rss_growth`).
@@ -8,6 +9,7 @@ that survive the restarts (`Monotonic`) and the growth of memory within a proces
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import random
 import statistics
@@ -21,14 +23,23 @@ import httpx
 import psutil
 
 from kvkeep.bench.deploy.cache import CacheServer
+from kvkeep.bench.deploy.rpcproxy import RpcProxy
 from kvkeep.bench.deploy.vllm import VLLMServer
-from kvkeep.bench.metrics import kvkeep_tokens
+from kvkeep.bench.metrics import GUARD_EVENTS, kvkeep_events, kvkeep_tokens
+
+READY_FAULT_WAIT_S = 60.0  # after a restart, how long an armed fault waits for an ACQUIRE
 
 
 @dataclass(frozen=True)
 class SoakSpec:
     """One soak run. Fault intervals default to fractions of the run: with ``minutes=10``
-    the cache server is killed 6 times and vLLM restarted twice."""
+    the cache server is killed 6 times and vLLM restarted 3 times.
+
+    ``ready_faults``: each vLLM restart arms a fault for the new engine's first ACQUIRE,
+    between the LOOKUP that promised blocks and the load that reads them, while every agent
+    retries its turn into an empty device cache over a shared system prompt (the moment a
+    failed synchronous load's blocks are most likely to be shared): a server SIGKILL, and a
+    byte flipped in the slot just handed out, in turn."""
 
     minutes: float = 10.0
     agents: int = 8
@@ -39,6 +50,7 @@ class SoakSpec:
     restart_every_s: float | None = None
     down_s: float = 2.0
     corrupt: bool = True
+    ready_faults: bool = True
     sample_every_s: float = 5.0
     cache_ram: str = "256MiB"
     cache_disk: str = "1GiB"
@@ -56,7 +68,7 @@ class SoakSpec:
 
     @property
     def restart_interval_s(self) -> float:
-        return self.restart_every_s or self.duration_s / 2.5
+        return self.restart_every_s or self.duration_s / 4
 
     def __post_init__(self) -> None:
         """Raise ValueError naming the option to change."""
@@ -72,7 +84,8 @@ class Event(NamedTuple):
     """A fault, ``t_s`` seconds into the run."""
 
     t_s: float
-    kind: str  # server_kill | engine_restart | corrupt_live | skipped (see `Faults.run`)
+    kind: str  # server_kill | engine_restart | corrupt_live | ready_kill | ready_corrupt |
+    # ready_missed | skipped (see `Faults.run`)
     took_s: float = 0.0
     detail: str = ""
 
@@ -163,6 +176,7 @@ class Sample(NamedTuple):
     disk_checksum_failures: float
     loaded_tokens: float
     load_failed_tokens: float
+    guard: dict[str, float]  # GUARD_EVENTS, summed over vLLM's lifetimes
 
 
 @contextlib.contextmanager
@@ -199,6 +213,7 @@ class Sampler:
             self.totals.see(server_counters(self.cache.stats()))
             with contextlib.suppress(httpx.HTTPError):
                 self.totals.see(kvkeep_tokens(self.engine.url))
+                self.totals.see(kvkeep_events(self.engine.url))
             total = self.totals.total
             self.samples.append(
                 Sample(
@@ -211,6 +226,7 @@ class Sampler:
                     total("checksum_failures"),
                     total("loaded"),
                     total("load_failed"),
+                    {op: total(op) for op in GUARD_EVENTS},
                 )
             )
 
@@ -220,9 +236,18 @@ class Faults:
     how long."""
 
     def __init__(
-        self, spec: SoakSpec, cache: CacheServer, engine: VLLMServer, sampler: Sampler
+        self,
+        spec: SoakSpec,
+        cache: CacheServer,
+        engine: VLLMServer,
+        sampler: Sampler,
+        proxy: RpcProxy | None = None,
     ) -> None:
+        """``proxy``: between the cache server and vLLM from its first restart on, for the
+        ready faults (``spec.ready_faults``)."""
         self.spec, self.cache, self.engine, self.sampler = spec, cache, engine, sampler
+        self.proxy = proxy
+        self._fired, self._struck = threading.Event(), ""  # the armed ready fault
         self.t0 = sampler.t0
         self.rng = random.Random(spec.seed)
         self.flipped = 0
@@ -230,7 +255,7 @@ class Faults:
         self.errors: list[str] = []
 
     def run(self, stop: threading.Event) -> None:
-        kills = 0
+        kills = restarts = 0
         for event in schedule(self.spec):
             late_s = time.monotonic() - (self.t0 + event.t_s)
             if time.monotonic() > self.t0 + self.spec.duration_s:
@@ -243,15 +268,24 @@ class Faults:
                 continue
             if stop.wait(max(0.0, -late_s)):
                 return
+            left_s = self.t0 + self.spec.duration_s - time.monotonic()
+            if event.kind == "engine_restart" and left_s < (self.engine.ready_s or 0) + 10:
+                # the new engine would come up as the agents stop: nothing would be measured
+                why = f"engine_restart due at {event.t_s:.0f} s would end after the run"
+                self.events.append(Event(event.t_s, "skipped", 0.0, why))
+                continue
             started = time.monotonic()
             try:
                 detail = self._do(event.kind, kills)
+                took = time.monotonic() - started
+                self.events.append(Event(started - self.t0, event.kind, took, detail))
+                if event.kind == "engine_restart" and self.spec.ready_faults and self.proxy:
+                    self.events.append(self._ready_fault(restarts, stop))
             except Exception as exc:  # recorded; the run goes on
                 self.errors.append(f"{event.kind} at {event.t_s:.0f} s: {exc!r}")
                 continue
             kills += event.kind == "server_kill"
-            took = time.monotonic() - started
-            self.events.append(Event(started - self.t0, event.kind, took, detail))
+            restarts += event.kind == "engine_restart"
 
     def _do(self, kind: str, kills: int) -> str:
         """Do one fault; returns what it did. A kill is a SIGKILL, ``down_s`` down (flipping
@@ -259,9 +293,10 @@ class Faults:
         if kind == "corrupt_live":
             return self._corrupt()
         if kind == "engine_restart":
+            self.sampler.sample()  # the counts the old engine is about to lose
             # In-flight requests keep uvicorn waiting for their connections until the engine
             # is killed: a graceful stop would only add its timeout to the restart.
-            self.engine.restart(stop_timeout_s=5.0)
+            self.engine.restart(stop_timeout_s=5.0, before_start=self._arm_ready_fault)
             return f"ready in {self.engine.ready_s:.1f} s"
         self.sampler.sample()  # the counts the kill is about to lose
         self.cache.kill()
@@ -269,6 +304,59 @@ class Faults:
         time.sleep(self.spec.down_s)
         self.cache.start()
         return detail
+
+    def _arm_ready_fault(self) -> None:
+        """With the old engine gone and the new one not started: route the new one through
+        the proxy and arm its first ACQUIRE (a kill on even restarts, a flipped slot on odd)."""
+        if not (self.spec.ready_faults and self.proxy):
+            return
+        self._fired = threading.Event()
+        self._struck = ""
+        self.engine.cfg = dataclasses.replace(self.engine.cfg, cache_socket=self.proxy.listen_path)
+        if self.count("engine_restart") % 2 == 0:
+            self.proxy.arm("ACQUIRE", self._kill_now)
+        else:
+            self.proxy.arm_reply("ACQUIRE", self._flip_acquired)
+
+    def _kill_now(self) -> None:
+        """On the proxy's thread, holding the ACQUIRE: SIGKILL the server; the ACQUIRE then
+        meets a closed connection."""
+        self.cache.kill()
+        self._struck = "server SIGKILLed before the first ACQUIRE"
+        self._fired.set()
+
+    def _flip_acquired(self, result: dict[str, Any]) -> None:
+        """On the proxy's thread, holding the ACQUIRE's reply: flip a byte of its first slot
+        (pinned for this load, its checksum already given)."""
+        slots, path = result.get("slots") or [], self.proxy.arena_path if self.proxy else None
+        if slots and path:
+            with contextlib.suppress(OSError), open(path, "r+b") as f:
+                f.seek(int(slots[0][0]) + 17)
+                byte = f.read(1)
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([byte[0] ^ 0xFF]))
+                self.flipped += 1
+                self._struck = f"a byte flipped in the first of {len(slots)} slots acquired"
+        self._fired.set()
+
+    def _ready_fault(self, restart: int, stop: threading.Event) -> Event:
+        """Wait for the fault armed before the restart to strike; a killed server is started
+        again after ``down_s``. An ACQUIRE that never came (or the run ended first) is
+        ``ready_missed``."""
+        started = time.monotonic()
+        kind = "ready_kill" if restart % 2 == 0 else "ready_corrupt"
+        deadline = started + READY_FAULT_WAIT_S
+        while not self._fired.wait(0.2) and not stop.is_set() and time.monotonic() < deadline:
+            pass
+        if not self._fired.is_set() or not self._struck:
+            assert self.proxy is not None
+            self.proxy.disarm()
+            why = f"{kind}: no ACQUIRE with a slot within {READY_FAULT_WAIT_S:.0f} s"
+            return Event(started - self.t0, "ready_missed", 0.0, why)
+        if kind == "ready_kill":
+            time.sleep(self.spec.down_s)
+            self.cache.start()
+        return Event(started - self.t0, kind, time.monotonic() - started, self._struck)
 
     def _corrupt(self, flips: int = 8) -> str:
         """Flip one byte at each of ``flips`` random places in the cache server's disk segment
