@@ -39,6 +39,7 @@ lint: setup
 	$(VENV)/bin/ruff check src tests scripts
 	$(VENV)/bin/ruff format --check src tests scripts
 	$(VENV)/bin/mypy
+	$(PY) scripts/long_modules.py src
 
 # The remote-tier tests run real redis-server processes (Debian 12 has redis-server 7.0 and no
 # valkey package; the protocol is the same). The tests start and stop their own on 127.0.0.1.

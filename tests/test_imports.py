@@ -121,16 +121,3 @@ def test_cycle_finder_finds_a_cycle_through_a_deferred_import(tmp_path: Path) ->
         ["kvkeep.bench.a", "kvkeep.bench.b", "kvkeep.bench.a"],
         ["kvkeep.bench.b", "kvkeep.bench.a", "kvkeep.bench.b"],
     )
-
-
-MAX_MODULE_LINES = 500
-
-
-def test_no_module_is_over_500_lines() -> None:
-    """A module that outgrows this is split by what it does (issue 12's rule)."""
-    long = sorted(
-        f"{path.relative_to(SRC)}: {n} lines"
-        for path in SRC.rglob("*.py")
-        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
-    )
-    assert not long, "\n".join(long)

@@ -54,7 +54,7 @@ def kv_transfer_config(
 ) -> dict[str, object]:
     """vLLM's ``--kv-transfer-config`` for the kvkeep connector. Pure. ``audit`` turns on
     the connector's debug comparison of recomputed blocks with their stored copies; ``more``
-    adds other connector settings (``kvkeep.vllm.scheduling.ConnectorConfig`` checks them)."""
+    adds other connector settings (``kvkeep.vllm.config.ConnectorConfig`` checks them)."""
     extra: dict[str, object] = {"socket": socket_path, "timeout_s": timeout_s, **(more or {})}
     if audit:
         extra["audit"] = True

@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 from kvkeep.keys import Namespace, chain_keys, pack_tokens
+from kvkeep.vllm.book import RequestBook
 from kvkeep.vllm.chains import RecentChains, common_blocks
-from kvkeep.vllm.scheduling import RequestBook
 
 NS = Namespace("m", "bfloat16", "LBHNC", "cpu", block_size=4)
 

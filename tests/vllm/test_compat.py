@@ -38,6 +38,7 @@ from kvkeep.cpu_pool import GENERATED_WEIGHTS
 from kvkeep.keys import Namespace
 from kvkeep.server.client import CacheUnavailable, KVKeepClient, LookupResult
 from kvkeep.vllm import compat
+from kvkeep.vllm.book import RequestBook
 from kvkeep.vllm.compat import UnsupportedConfig, check_supported, unkeyable_reason
 from kvkeep.vllm.connector import (
     KVKeepConnector,
@@ -45,7 +46,7 @@ from kvkeep.vllm.connector import (
     KVKeepPromMetrics,
     SchedulerSide,
 )
-from kvkeep.vllm.scheduling import COUNTER_NAMES, RequestBook
+from kvkeep.vllm.counters import COUNTER_NAMES
 
 BS = 16
 

@@ -11,9 +11,10 @@ import numpy as np
 from test_saver import NS, block_bytes, engine, keys, make_saver
 
 from kvkeep.server.client import KVKeepClient, Session
+from kvkeep.vllm.counters import Counters
 from kvkeep.vllm.layout import KVLayout
 from kvkeep.vllm.loader import BackgroundLoads, BlockLoader, LoadResult
-from kvkeep.vllm.scheduling import BlockTransfer, Counters, RequestLoad
+from kvkeep.vllm.plan import BlockTransfer, RequestLoad
 from kvkeep.vllm.transfer import Mover
 from kvkeep.vllm.verify import SlotVerifier
 from serverproc import Server

@@ -17,10 +17,11 @@ import torch
 from kvkeep.keys import BlockKey, Namespace, chain_keys
 from kvkeep.server.client import KVKeepClient, Session, SlotRef
 from kvkeep.vllm import saver as saver_module
+from kvkeep.vllm.counters import Counters
 from kvkeep.vllm.layout import KVLayout, LayoutDescription
 from kvkeep.vllm.loader import BlockLoader
+from kvkeep.vllm.plan import BlockTransfer, RequestLoad
 from kvkeep.vllm.saver import Saver, _Ring, staging_shape
-from kvkeep.vllm.scheduling import BlockTransfer, Counters, RequestLoad
 from kvkeep.vllm.transfer import Mover
 from serverproc import Server
 

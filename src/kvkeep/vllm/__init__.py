@@ -1,2 +1,3 @@
 """kvkeep's vLLM adapter. The only package that imports vllm, and only in ``connector`` and
-``compat``: ``scheduling`` and ``layout`` are pure and import without vllm installed."""
+``compat``: ``config``, ``plan``, ``book``, ``guard`` and ``layout`` are pure and import
+without vllm installed."""

@@ -63,7 +63,8 @@ all its groups' loads ended (:mod:`kvkeep.vllm.hybrid`).
 
 This module is vLLM's entry point and delegates by role: ``scheduler_side`` (EngineCore),
 ``worker_side`` (each worker), ``stats`` (counters and Prometheus); the decisions, free of
-vllm, are in ``scheduling``.
+vllm, are in ``book`` (claims and per-request tracking), ``plan`` (what workers receive) and
+``config`` (the extra config's settings).
 """
 
 from __future__ import annotations
@@ -86,12 +87,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from kvkeep.server.client import KVKeepClient
 from kvkeep.vllm import compat
+from kvkeep.vllm.config import ConnectorConfig
 from kvkeep.vllm.hybrid import GroupLoads
+from kvkeep.vllm.plan import StepPlan
 from kvkeep.vllm.scheduler_side import SchedulerSide
-from kvkeep.vllm.scheduling import (
-    ConnectorConfig,
-    StepPlan,
-)
 from kvkeep.vllm.stats import KVKeepPromMetrics, KVKeepStats
 from kvkeep.vllm.worker_side import WorkerSide
 

@@ -31,7 +31,7 @@ from typing import NamedTuple
 from kvkeep.background import start_thread, unbind
 from kvkeep.server.client import CacheUnavailable, KVKeepClient, Session, SlotRef
 from kvkeep.vllm.layout import KVLayout
-from kvkeep.vllm.scheduling import RequestLoad
+from kvkeep.vllm.plan import RequestLoad
 from kvkeep.vllm.transfer import Fence, Mover
 from kvkeep.vllm.verify import SlotVerifier
 

@@ -60,7 +60,7 @@ from kvkeep.keys import BlockKey
 from kvkeep.server.client import CacheUnavailable, KVKeepClient, Session, SlotRef
 from kvkeep.store.base import checksum
 from kvkeep.vllm.layout import KVLayout
-from kvkeep.vllm.scheduling import BlockTransfer
+from kvkeep.vllm.plan import BlockTransfer
 from kvkeep.vllm.transfer import Mover, Wait
 
 log = logging.getLogger("vllm.kvkeep")

@@ -3,7 +3,7 @@
 It LOOKUPs kvkeep's keys for a waiting request's prompt blocks beyond vLLM's own hit and
 claims the leading present ones, tracks every running request's block table, and emits each
 step's ``StepPlan`` (loads, and blocks that become full, to save). The arithmetic lives in
-:mod:`kvkeep.vllm.scheduling`; this module feeds it vLLM's values and never raises into vLLM.
+:mod:`kvkeep.vllm.book`; this module feeds it vLLM's values and never raises into vLLM.
 """
 
 from __future__ import annotations
@@ -14,17 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 from kvkeep.server.client import CacheUnavailable, KVKeepClient
 from kvkeep.vllm import compat
+from kvkeep.vllm.book import ClaimRange, Match, RequestBook, claim_range
+from kvkeep.vllm.counters import Counters
 from kvkeep.vllm.guard import SyncLoadGuard, first_failed, tails_from
+from kvkeep.vllm.plan import BlockTransfer, StepPlan
 from kvkeep.vllm.refresh import Refresher
-from kvkeep.vllm.scheduling import (
-    BlockTransfer,
-    ClaimRange,
-    Counters,
-    Match,
-    RequestBook,
-    StepPlan,
-    claim_range,
-)
 
 if TYPE_CHECKING:
     pass

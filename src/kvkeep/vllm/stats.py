@@ -1,6 +1,6 @@
 """kvkeep's counters in vLLM's stats pipeline and in Prometheus.
 
-The connector's sides count into ``scheduling.Counters``; vLLM ships the worker's counts to the
+The connector's sides count into ``counters.Counters``; vLLM ships the worker's counts to the
 scheduler each step, sums them here, and the API server exports them as
 ``vllm:kvkeep_tokens_total``, ``vllm:kvkeep_seconds_total`` and ``vllm:kvkeep_events_total``,
 each with an ``op`` label.
@@ -15,10 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from kvkeep.vllm.scheduling import (
-    PROFILE_NAMES,
-    Counters,
-)
+from kvkeep.vllm.counters import PROFILE_NAMES, Counters
 
 if TYPE_CHECKING:
     pass

@@ -1,4 +1,4 @@
-"""The connector's decisions and bookkeeping, free of vllm: what to claim, load and save.
+"""The scheduler side's book of requests, free of vllm: what to claim, load and save.
 
 The scheduler side of the connector feeds this module plain values (token ids, block ids,
 token counts) and ships the ``StepPlan`` it returns to the workers. Everything here is
@@ -35,161 +35,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from kvkeep.keys import BlockKey, Namespace
 from kvkeep.vllm.chains import RequestKeys
-
-# The counters lived here before they had a module; their old names still work.
-from kvkeep.vllm.counters import COUNTER_NAMES as COUNTER_NAMES
-from kvkeep.vllm.counters import PROFILE_NAMES as PROFILE_NAMES
-from kvkeep.vllm.counters import Counters as Counters
-from kvkeep.vllm.counters import timed as timed
-
-# --- configuration ------------------------------------------------------------------------
-
-LOAD_ASYNC_MIN_BYTES = 16 << 20
-"""Where a synchronous load starts to cost the other running requests more than an
-asynchronous one costs its own request (one extra engine step): the default threshold
-(``load_async_min_blocks`` "auto") is this many bytes of blocks. Measured on 2 cores with the
-tiny model (256 KiB blocks): a decode step takes about 5 ms (``scripts/async_threshold.py``),
-and a synchronous load with batched copies about 0.8 ms for 32 blocks and 4 ms for 128 on an
-idle machine (ACQUIRE, verify, copy, RELEASE), so 16 MiB (64 blocks) stalls the others for
-under half a step. An asynchronous load costs its own request at least one step, which at 32
-blocks was a quarter of a cached request's TTFT (S4). Over PCIe with pinned memory 16 MiB is
-under 1 ms. On CPU a background copy takes the same cores as the forward, so it is not free
-for the others either.
-With no other request running a synchronous load stalls nobody, so "auto" then loads every
-hit on the step (idle engine, 2 cores with AMX: 64 blocks reached the first token in 44 ms on
-the step, 57 ms in the background). A number of blocks is a fixed threshold; null: never."""
-
-
-@dataclass(frozen=True)
-class ConnectorConfig:
-    """``kv_connector_extra_config``, validated. Unknown keys are refused, not ignored.
-
-    ``socket`` is the cache server's unix socket; ``timeout_s`` bounds every RPC (the scheduler
-    waits at most this long on a LOOKUP); ``max_backoff_s`` caps the reconnect backoff.
-    """
-
-    socket: str
-    timeout_s: float = 1.0
-    max_backoff_s: float = 5.0
-    audit: bool = False  # debug: compare blocks vLLM computes again with their stored copy
-    # host memory per worker for saves on their way to the server; None: two full steps
-    staging_mib: float | None = None
-    # a hit of at least this many blocks loads in the background (vLLM's async load): the
-    # request waits a step or more, other requests' steps do not wait for its copies.
-    # None: every load is synchronous.
-    load_async_min_blocks: int | str | None = "auto"  # "auto": LOAD_ASYNC_MIN_BYTES of blocks
-
-    def __post_init__(self) -> None:
-        if not self.socket:
-            raise ValueError("kv_connector_extra_config.socket: give the cache server's socket")
-        if not 0 < self.timeout_s <= 60:
-            raise ValueError(f"timeout_s must lie in (0, 60] seconds, got {self.timeout_s}")
-        if not 0 < self.max_backoff_s <= 600:
-            raise ValueError(f"max_backoff_s must lie in (0, 600], got {self.max_backoff_s}")
-        if self.staging_mib is not None and not 1 <= self.staging_mib <= 65536:
-            raise ValueError(f"staging_mib must lie in [1, 65536] MiB, got {self.staging_mib}")
-        blocks = self.load_async_min_blocks
-        if blocks != "auto" and blocks is not None and (not isinstance(blocks, int) or blocks < 1):
-            raise ValueError(
-                f'load_async_min_blocks must be a whole number >= 1, "auto" (the default: '
-                f"{LOAD_ASYNC_MIN_BYTES >> 20} MiB of blocks) or null (never load in "
-                f"the background), got {blocks!r}"
-            )
-
-    @classmethod
-    def from_extra(cls, extra: Mapping[str, Any]) -> ConnectorConfig:
-        """Build from vLLM's free-form dict; raises ValueError naming what to change."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}"
-            )
-        if "socket" not in extra:
-            raise ValueError("kv_connector_extra_config needs 'socket' (the cache server's)")
-        audit = extra.get("audit", False)
-        if not isinstance(audit, bool):
-            raise ValueError(f"kv_connector_extra_config.audit must be true or false: {audit!r}")
-        whole = ("load_async_min_blocks",)
-        numbers: dict[str, Any] = {
-            k: float(v) for k, v in extra.items() if k not in ("socket", "audit", *whole)
-        }
-        for key in whole:
-            if key in extra:
-                numbers[key] = (
-                    extra[key] if extra[key] == "auto" else _whole_or_none(key, extra[key])
-                )
-        return cls(socket=str(extra["socket"]), audit=audit, **numbers)
-
-    def async_min_blocks(self, block_bytes: int) -> int | None:
-        """The smallest hit, in blocks of ``block_bytes``, that loads asynchronously (None:
-        none does)."""
-        if self.load_async_min_blocks == "auto":
-            return max(1, -(-LOAD_ASYNC_MIN_BYTES // max(block_bytes, 1)))
-        assert not isinstance(self.load_async_min_blocks, str)
-        return self.load_async_min_blocks
-
-    @property
-    def sync_when_alone(self) -> bool:
-        """Whether any hit loads on the step when no other request runs ("auto")."""
-        return self.load_async_min_blocks == "auto"
-
-
-def _whole_or_none(key: str, value: Any) -> int | None:
-    """``value`` as an int (None stays None); raises ValueError naming ``key`` otherwise."""
-    if value is None:
-        return None
-    try:
-        whole = not isinstance(value, bool) and float(value) == int(float(value))
-    except (TypeError, ValueError):
-        whole = False
-    if not whole:
-        raise ValueError(f"kv_connector_extra_config.{key} must be a whole number: {value!r}")
-    return int(float(value))
-
-
-# --- what travels to the workers ------------------------------------------------------------
-
-
-class BlockTransfer(NamedTuple):
-    """Copy engine block ``block_id`` from/to the cached block ``key``."""
-
-    block_id: int
-    key: BlockKey
-
-
-class RequestLoad(NamedTuple):
-    """The blocks one request loads, in chain order (a miss ends the usable prefix).
-    ``background``: vLLM's asynchronous load; the worker copies off the step and reports the
-    request in ``get_finished`` (vLLM does not schedule it before)."""
-
-    req_id: str
-    blocks: tuple[BlockTransfer, ...]
-    background: bool = False
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """One step's work for every worker: pickled into the connector metadata, so small.
-
-    ``namespace`` is the rank-0 namespace; a worker of TP rank r stores under the same
-    namespace with ``tp_rank=r`` (the scheduler looks up rank 0's blocks only).
-    """
-
-    namespace: Namespace
-    loads: tuple[RequestLoad, ...] = ()
-    saves: tuple[BlockTransfer, ...] = ()
-
-    @property
-    def num_load_blocks(self) -> int:
-        return sum(len(r.blocks) for r in self.loads)
-
+from kvkeep.vllm.plan import BlockTransfer, RequestLoad, StepPlan
 
 # --- claims -------------------------------------------------------------------------------
 

@@ -8,16 +8,10 @@ from dataclasses import replace
 import pytest
 
 from kvkeep.keys import Namespace, chain_keys
-from kvkeep.vllm.scheduling import (
-    LOAD_ASYNC_MIN_BYTES,
-    BlockTransfer,
-    ClaimRange,
-    ConnectorConfig,
-    Counters,
-    Match,
-    RequestBook,
-    claim_range,
-)
+from kvkeep.vllm.book import ClaimRange, Match, RequestBook, claim_range
+from kvkeep.vllm.config import LOAD_ASYNC_MIN_BYTES, ConnectorConfig
+from kvkeep.vllm.counters import Counters
+from kvkeep.vllm.plan import BlockTransfer
 
 BS = 4
 NS = Namespace(model_digest="m", kv_dtype="bf16", layout="LBHNC", backend="cpu/vec", block_size=BS)
