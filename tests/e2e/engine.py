@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,8 +23,10 @@ from kvkeep.bench.criterion import (
     Reply,
     same_as_cold,
     same_as_hit,
+    token_id,
 )
 from kvkeep.bench.deploy.vllm import VLLMServer
+from kvkeep.bench.prompts import reset_device_cache as reset_device_cache
 from kvkeep.keys import BlockKey, chain_keys, root_key_of
 from kvkeep.serve import CacheServerProcess
 from kvkeep.server.client import KVKeepClient, Session
@@ -100,9 +101,9 @@ def complete(url: str, ids: list[int], salt: str | None = None, max_tokens: int 
     assert r.status_code == 200, f"HTTP {r.status_code}: {r.text[:300]}"
     doc = r.json()
     lp = doc["choices"][0]["logprobs"]
-    top = [{_token_id(t): float(v) for t, v in alt.items()} for alt in lp["top_logprobs"]]
+    top = [{token_id(t): float(v) for t, v in alt.items()} for alt in lp["top_logprobs"]]
     reply = Reply(
-        [_token_id(t) for t in lp["tokens"]], [float(x) for x in lp["token_logprobs"]], top
+        [token_id(t) for t in lp["tokens"]], [float(x) for x in lp["token_logprobs"]], top
     )
     details = doc["usage"].get("prompt_tokens_details") or {}
     return Served(reply, int(details.get("cached_tokens") or 0))
@@ -145,16 +146,6 @@ def decisive_reference(
     raise AssertionError(f"none of {tries} prompts had a reply without a near tie at its start")
 
 
-def reset_device_cache(url: str) -> None:
-    """Empty vLLM's device prefix cache, keep kvkeep's (needs VLLM_SERVER_DEV_MODE=1)."""
-    for _ in range(40):
-        r = httpx.post(f"{url}/reset_prefix_cache", params={"reset_external": "false"}, timeout=30)
-        if r.status_code == 200 and r.json().get("success", True):
-            return
-        time.sleep(0.25)
-    raise AssertionError("/reset_prefix_cache did not succeed")
-
-
 def assert_wrong_block_shows(
     url: str, planted: list[int], control: list[int], refs: list[Reference], blocks: int
 ) -> None:
@@ -169,10 +160,6 @@ def assert_wrong_block_shows(
     assert not same_as_hit(wrong.reply, refs[0].hit), "a wrong block went unnoticed"
     drift = same_as_cold(wrong.reply, refs[0].cold)
     assert not drift, f"a wrong block passed as drift ({drift.why or 'within tolerance'})"
-
-
-def _token_id(text: str) -> int:
-    return int(text.removeprefix("token_id:"))
 
 
 # --- the cache, from outside the engine ---------------------------------------------------

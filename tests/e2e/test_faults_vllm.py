@@ -28,13 +28,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import httpx
 import pytest
 
 from kvkeep.bench.criterion import same_as_cold, same_as_hit
 from kvkeep.bench.deploy.vllm import LaunchConfig, VLLMServer
 from kvkeep.bench.http import TurnResult, run_agents
 from kvkeep.bench.metrics import kvkeep_tokens
+from kvkeep.bench.prompts import reset_device_cache
 from kvkeep.model import TinyModelSpec, write_tiny_model
 from kvkeep.serve import CacheServerConfig, CacheServerProcess
 from kvkeep.store.diskformat import read_index
@@ -65,13 +65,7 @@ class Rig(Deployment):
         return reference(self.url, ids)
 
     def reset_device_cache(self) -> None:
-        for _ in range(40):
-            r = httpx.post(f"{self.url}/reset_prefix_cache",
-                           params={"reset_external": "false"}, timeout=30)  # fmt: skip
-            if r.status_code == 200 and r.json().get("success", True):
-                return
-            time.sleep(0.25)
-        raise AssertionError("/reset_prefix_cache did not succeed")
+        reset_device_cache(self.url)
 
     def counters(self, settle_s: float = 2.0) -> dict[str, float]:
         """kvkeep's connector counters; stats reach the API server a step or two late, so

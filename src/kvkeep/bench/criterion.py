@@ -102,3 +102,8 @@ def _tie(reply: Reply, i: int, other: int, other_logprob: float, tol: float) -> 
         return False
     seen = reply.top[i].get(other)
     return seen is not None and reply.logprobs[i] - seen <= tol and abs(seen - other_logprob) <= tol
+
+
+def token_id(text: str) -> int:
+    """A token of vLLM's OpenAI output under ``return_tokens_as_token_ids`` ("token_id:N")."""
+    return int(text.removeprefix("token_id:"))

@@ -2,9 +2,9 @@
 
 Framing: every message is ``length (u32 big-endian) || msgpack body``; bodies over
 ``MAX_FRAME_BYTES`` are refused and the connection closed. A request body is the map
-``{"v": 1, "id": int, "op": str, "args": map}``; a reply is
-``{"v": 1, "id": int, "ok": true, "result": map}`` or
-``{"v": 1, "id": int, "ok": false, "error": {"code": str, "message": str}}``.
+``{"v": 2, "id": int, "op": str, "args": map}``; a reply is
+``{"v": 2, "id": int, "ok": true, "result": map}`` or
+``{"v": 2, "id": int, "ok": false, "error": {"code": str, "message": str}}``.
 msgpack is decoded with size limits and no extension types: no pickle, no reflection. A body
 may build at most ``MAX_DECODED_ITEMS`` array and map entries in all: a frame of nested empty
 arrays would otherwise make ~70 bytes of Python objects per byte received (600 MB for one 8 MiB

@@ -91,7 +91,6 @@ class _Tracked:
     (see the module docstring).
     """
 
-    root: BlockKey
     keys: list[BlockKey]
     block_ids: list[int] = field(default_factory=list)
     saved: int = 0
@@ -255,7 +254,7 @@ class RequestBook:
         saved = max(local + external, num_computed_tokens // self.block_size)
         limit = claim_range(len(tokens), 0, self.block_size).limit
         save_from = self.window_start(limit * self.block_size)
-        tracked = _Tracked(self.root_for(salt), keys, list(block_ids), saved, save_from)
+        tracked = _Tracked(keys, list(block_ids), saved, save_from)
         self._tracked[req_id] = tracked
         if external == 0:
             return None

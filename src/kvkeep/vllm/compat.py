@@ -220,11 +220,6 @@ def _group_label(kv_cache_config: Any, group: int) -> str:
     return f"g{group}/{kind}/{layers}"
 
 
-def group0_block_ids(blocks: Any) -> list[int]:
-    """Block ids of KV cache group 0 from a ``KVCacheBlocks``."""
-    return list(blocks.get_block_ids()[0])
-
-
 def group_block_ids(blocks: Any, group: int) -> list[int]:
     """Block ids of KV cache group ``group`` from a ``KVCacheBlocks``."""
     return list(blocks.get_block_ids()[group])

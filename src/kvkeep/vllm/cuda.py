@@ -106,11 +106,6 @@ class CudaMover(Mover):
     ) -> None:
         self.scatter_checked(layout, block_ids, slots, Check.passed(len(slots)))
 
-    def scatter_background(
-        self, layout: KVLayout, block_ids: Sequence[int], slots: Sequence[np.ndarray], after: Fence
-    ) -> None:
-        self.scatter_checked(layout, block_ids, slots, Check.passed(len(slots)), after)
-
     def scatter_checked(
         self,
         layout: KVLayout,

@@ -113,11 +113,3 @@ class Mover:
     def fence(self) -> Fence:
         """Mark the engine's work issued so far (call on the step's thread)."""
         return None
-
-    def scatter_background(
-        self, layout: KVLayout, block_ids: Sequence[int], slots: Sequence[np.ndarray], after: Fence
-    ) -> None:
-        """``scatter`` for a thread off the step: ordered after ``after``, returns once the
-        blocks hold the bytes, and orders nothing on the engine's stream (vLLM reads the
-        blocks only after the load is reported finished)."""
-        self.scatter(layout, block_ids, slots)

@@ -46,7 +46,7 @@ from typing import Any, NamedTuple
 import httpx
 
 from kvkeep.bench.context import RunContext
-from kvkeep.bench.criterion import DRIFT_TOL, TOP_ALTERNATIVES, Verdict, same_as_cold
+from kvkeep.bench.criterion import DRIFT_TOL, TOP_ALTERNATIVES, Verdict, same_as_cold, token_id
 from kvkeep.bench.criterion import Reply as Judged
 from kvkeep.bench.deploy.rpcproxy import RpcProxy
 from kvkeep.bench.deploy.vllm import VLLMServer
@@ -144,17 +144,13 @@ async def ask(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Repl
     content = doc["choices"][0]["logprobs"]["content"]
     usage = doc["usage"]
     judged = Judged(
-        [_token_id(c["token"]) for c in content],
+        [token_id(c["token"]) for c in content],
         [float(c["logprob"]) for c in content],
-        [{_token_id(t["token"]): float(t["logprob"]) for t in c.get("top_logprobs") or ()}
+        [{token_id(t["token"]): float(t["logprob"]) for t in c.get("top_logprobs") or ()}
          for c in content],
     )  # fmt: skip
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return Reply(judged, int(usage["prompt_tokens"]), int(cached))
-
-
-def _token_id(text: str) -> int:
-    return int(text.removeprefix("token_id:"))
 
 
 async def references(url: str, sessions: Sequence[Sequence[Turn]]) -> dict[tuple[int, int], Reply]:
