@@ -11,7 +11,7 @@ kernel has no SCHED_IDLE, it does nothing.
 What it costs: while every core is busy, write-through waits in the store's queue, and a full
 queue drops writes to the lower tiers (counted; the block stays in RAM). Saves are not such
 work: on an engine that is never idle a saver at idle priority stored almost nothing, so the
-connector's saver and refresher keep the engine's priority. The cache server sets the policy
+connector's saver and touches keep the engine's priority. The cache server sets the policy
 from ``--background``.
 
 Binding is the other half. vLLM's CPU worker binds each thread of its OpenMP team to one core,

@@ -80,7 +80,7 @@ def _mapped_paths() -> set[str]:
 
 
 def test_a_lookup_only_client_never_maps_the_arena(server_factory: object) -> None:
-    """vLLM's scheduler only looks keys up: its client (and its sibling, the refresher) must
+    """vLLM's scheduler only looks keys up: its client (and its sibling, the touches) must
     not map, and so populate, the whole arena, not even after a server restart."""
     server = server_factory("--ram", "16MiB")  # type: ignore[operator]
     server.start()

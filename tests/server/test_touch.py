@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from kvkeep.server.client import KVKeepClient
-from kvkeep.vllm.refresh import Refresher
+from kvkeep.vllm.touch import TouchQueue
 
 from .helpers import BLOCK, NS, keys, store
 
@@ -43,12 +43,12 @@ def test_without_refresh_the_prefix_ages_out(server_factory: object) -> None:
 
 def _refreshed(client: KVKeepClient, session: object, prefix: list[bytes]) -> None:
     """What the scheduler does when vLLM serves ``prefix`` from its pool: submit, off-thread."""
-    refresher = Refresher(client.sibling())
+    touches = TouchQueue(client.sibling())
     try:
-        assert refresher.submit(session, prefix)  # type: ignore[arg-type]
-        refresher.flush()
+        assert touches.submit(session, prefix)  # type: ignore[arg-type]
+        touches.flush()
     finally:
-        refresher.close()
+        touches.close()
 
 
 @pytest.mark.parametrize(
@@ -56,7 +56,7 @@ def _refreshed(client: KVKeepClient, session: object, prefix: list[bytes]) -> No
     [
         pytest.param(lambda c, s, ks: c.touch(s, ks), id="touch"),
         pytest.param(lambda c, s, ks: c.release(c.reserve(s, ks)), id="saved-again"),
-        pytest.param(_refreshed, id="scheduler-refresher"),
+        pytest.param(_refreshed, id="scheduler-touches"),
     ],
 )
 def test_a_refreshed_prefix_outlives_other_traffic(

@@ -9,17 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from kvkeep.store.memory import ArenaTier
+from kvkeep.store.ram import RamTier
 from kvkeep.store.slots import ArenaConfig
 
 
 @pytest.fixture
 def make_arena() -> Iterator[object]:
-    made: list[ArenaTier] = []
+    made: list[RamTier] = []
 
-    def make(size: int, extent: int) -> ArenaTier:
+    def make(size: int, extent: int) -> RamTier:
         path = f"/dev/shm/kvkeep-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        arena = ArenaTier(ArenaConfig(size, extent), path)
+        arena = RamTier(ArenaConfig(size, extent), path)
         made.append(arena)
         return arena
 

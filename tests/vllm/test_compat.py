@@ -207,13 +207,13 @@ def test_the_prefix_vllm_serves_itself_is_touched_once_off_the_thread(
     assert scheduler.match(req, 2 * BS) == (BS, False)  # vLLM holds 2 blocks; kvkeep has the 3rd
     assert client.lookups == [1], "the LOOKUP still asks only beyond vLLM's hit"
     scheduler.after_alloc(req, blocks(4), BS)
-    scheduler.refresher.flush()
+    scheduler.touches.flush()
     keys = scheduler.book.leading_keys(req.request_id, 3)
     assert client.touches == [keys[:2]], "one TOUCH, of exactly the device-hit blocks"
     cold = request("cold")
     scheduler.match(cold, 0)
     scheduler.after_alloc(cold, blocks(4), 3 * BS)
-    scheduler.refresher.flush()
+    scheduler.touches.flush()
     assert len(client.touches) == 1, "no device hit, nothing to refresh"
 
 

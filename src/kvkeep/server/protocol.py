@@ -46,7 +46,7 @@ carried CRC-32s: its clients are refused with ``version``). Every int is non-neg
                 pending_writes: int (write-behind), rebuild_s: float (disk index rebuild),
                 instance: str, connections: int,
                 integrity: [str] (only when asked: every inconsistency
-                           ``ArenaTier.check_integrity`` finds; O(slots), for tests)}
+                           ``RamTier.check_integrity`` finds; O(slots), for tests)}
 
 A connection's reservations are aborted and its pins dropped when it closes.
 """

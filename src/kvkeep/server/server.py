@@ -35,7 +35,7 @@ from kvkeep.server.namespaces import NamespaceRegistry
 from kvkeep.store.base import NullTier, StoreKey, Tier
 from kvkeep.store.disk import DiskConfig, DiskTier
 from kvkeep.store.keyformat import NamespaceDigest, namespace_digest, store_keys
-from kvkeep.store.memory import ArenaTier
+from kvkeep.store.ram import RamTier
 from kvkeep.store.remote import RemoteConfig, RemoteTier, WritePolicy
 from kvkeep.store.slots import ArenaConfig, Holder, slot_bytes_for
 from kvkeep.store.tiered import TieredStore, WriteBehindConfig
@@ -156,7 +156,7 @@ class CacheServer:
         finally:
             os.umask(old_umask)
 
-    def _make_ram(self) -> ArenaTier:
+    def _make_ram(self) -> RamTier:
         extent = min(self.config.extent_bytes, self.config.ram_bytes // 4096 * 4096)
         arena_config = ArenaConfig(self.config.ram_bytes, extent, self.config.shm_dir)
         marker = Path(self.config.directory) / "arena.path"
@@ -164,7 +164,7 @@ class CacheServer:
             Path(marker.read_text().strip()).unlink(missing_ok=True)
         path = str(Path(self.config.shm_dir) / f"kvkeep-{self.instance}")
         marker.write_text(path)
-        return ArenaTier(arena_config, path)
+        return RamTier(arena_config, path)
 
     def _make_lower(self) -> list[Tier]:
         """Disk (or its null stand-in) first, then the remote tier when one is configured."""
@@ -262,7 +262,7 @@ class CacheServer:
             case p.StatsRequest():
                 return p.StatsReply(self.stats(integrity=message.integrity))
             case p.TouchRequest():
-                self.store.refresh(self._keys(conn, message)[1])
+                self.store.touch(self._keys(conn, message)[1])
                 return p.EmptyReply()
         raise AssertionError(f"no handler for {request.op}")  # decode_message covers every op
 

@@ -54,7 +54,7 @@ def slot_bytes_for(block_bytes: int) -> int:
 
 
 class Pinned(NamedTuple):
-    """A committed slot pinned for reading: unpin it with ``ArenaTier.unpin(offset, holder)``."""
+    """A committed slot pinned for reading: unpin it with ``RamTier.unpin(offset, holder)``."""
 
     offset: Offset
     length: int

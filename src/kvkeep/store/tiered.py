@@ -31,7 +31,7 @@ from typing import NamedTuple
 from kvkeep.background import give_way, start_thread
 from kvkeep.store.base import NullTier, StoreKey, Tier, checksum
 from kvkeep.store.idlegate import IdleGate
-from kvkeep.store.memory import ArenaTier
+from kvkeep.store.ram import RamTier
 from kvkeep.store.slots import INTERNAL, Holder, Offset, Pinned
 
 log = logging.getLogger("kvkeep.store")
@@ -103,7 +103,7 @@ class TieredStore:
 
     def __init__(
         self,
-        ram: ArenaTier,
+        ram: RamTier,
         lower: Sequence[Tier],
         config: WriteBehindConfig,
         idle_gate: Callable[[], IdleGate] = IdleGate,
@@ -186,7 +186,7 @@ class TieredStore:
     def reserve(self, key: StoreKey, length: int, holder: Holder = INTERNAL) -> Reservation:
         """A RAM slot for ``holder`` to write ``key`` into, unless some tier already holds it.
         A save of a block RAM holds refreshes it there (most recent): it is in use."""
-        if self._ram.touch(key) or any(t.contains(key) for t in self._lower):
+        if self._ram.touch_prefix((key,)) or any(t.contains(key) for t in self._lower):
             return Reservation(ReserveStatus.PRESENT)
         offset = self._ram.reserve(key, length, holder)
         if offset is not None:
@@ -209,11 +209,11 @@ class TieredStore:
                 reserved.append(Reserved(index, reservation.offset))
         return reserved
 
-    def refresh(self, keys: Sequence[StoreKey]) -> int:
+    def touch(self, keys: Sequence[StoreKey]) -> int:
         """Mark the ``keys`` RAM holds most recent, ``keys[0]`` most of all; how many it
         holds. For blocks the engine serves from its own pool: they are in use, so they must
         not age out of RAM. No I/O, one lock; nothing else changes (no hit is counted)."""
-        return self._ram.touch_many(keys)
+        return self._ram.touch(keys)
 
     def commit(self, offset: Offset, crc: int, holder: Holder = INTERNAL) -> bool:
         """Publish a slot ``holder`` reserved and queue it for the lower tiers; never blocks.
@@ -326,7 +326,7 @@ class TieredStore:
         return counts
 
     def check_integrity(self) -> list[str]:
-        """The arena's accounting problems (``ArenaTier.check_integrity``); [] when sound."""
+        """The arena's accounting problems (``RamTier.check_integrity``); [] when sound."""
         return self._ram.check_integrity()
 
     def flush(self) -> None:

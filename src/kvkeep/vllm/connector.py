@@ -343,7 +343,7 @@ class KVKeepConnector(KVConnectorBase_V1, SupportsHMA):
         for worker in self._workers:
             worker.shutdown()
         if self._scheduler is not None:  # its TOUCH thread, after what is queued
-            self._scheduler.refresher.close()
+            self._scheduler.touches.close()
 
     def _plans(self) -> tuple[StepPlan, ...]:
         if not self.has_connector_metadata():

@@ -18,7 +18,7 @@ from kvkeep.vllm.book import ClaimRange, Match, RequestBook, claim_range
 from kvkeep.vllm.counters import Counters
 from kvkeep.vllm.guard import SyncLoadGuard, first_failed, tails_from
 from kvkeep.vllm.plan import BlockTransfer, StepPlan
-from kvkeep.vllm.refresh import Refresher
+from kvkeep.vllm.touch import TouchQueue
 
 if TYPE_CHECKING:
     pass
@@ -62,7 +62,7 @@ class SchedulerSide:
         self.counters = Counters()
         self._requests: dict[str, Any] = {}  # req_id -> vLLM Request, while tracked
         self._unkeyable: set[str] = set()  # req_ids counted as unkeyable, until finished
-        self.refresher = Refresher(client.sibling())  # keeps vLLM's device hits warm
+        self.touches = TouchQueue(client.sibling())  # keeps vLLM's device hits warm
         self.guard = SyncLoadGuard(compat.plans_in_flight(vllm_config))  # see kvkeep.vllm.guard
         # vLLM's KV cache manager, bound at start-up (``bind``): rule 2 of the guard evicts
         # through it, and without it no load may be synchronous.
@@ -308,7 +308,7 @@ class SchedulerSide:
         # it outlives colder blocks there and is the first back after a vLLM restart.
         hot = self._hot_group
         keys = self.books[hot].leading_keys(request.request_id, local)
-        self.refresher.submit(self.sessions[hot], keys)
+        self.touches.submit(self.sessions[hot], keys)
 
     def plan(self, out: Any) -> tuple[StepPlan, ...] | None:
         """This step's loads and saves, one plan per KV cache group; None (nothing to do) if

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvkeep.store.memory import ArenaTier
+from kvkeep.store.ram import RamTier
 from kvkeep.store.slots import INTERNAL, Holder, Offset
 
 from .helpers import crc, key, payload
@@ -13,11 +13,11 @@ KiB = 1024
 EXTENT = 64 * KiB
 
 
-def put(arena: ArenaTier, i: int, length: int = 16 * KiB) -> bool:
+def put(arena: RamTier, i: int, length: int = 16 * KiB) -> bool:
     return arena.put(key(i), memoryview(payload(i, length)), crc(i, length))
 
 
-def get(arena: ArenaTier, i: int, length: int = 16 * KiB) -> bytes | None:
+def get(arena: RamTier, i: int, length: int = 16 * KiB) -> bytes | None:
     out = bytearray(length)
     found = arena.get(key(i), memoryview(out))
     return bytes(out[: found.length]) if found else None
@@ -49,7 +49,7 @@ def test_touch_refreshes_recency_without_counting_a_hit(make_arena: Any) -> None
     arena = make_arena(EXTENT, EXTENT)  # 4 slots of 16 KiB
     for i in range(4):
         assert put(arena, i)
-    assert arena.touch(key(0)) and not arena.touch(key(9))
+    assert arena.touch([key(0)]) == 1 and arena.touch([key(9)]) == 0
     assert arena.stats().counters["hits"] == 0
     assert put(arena, 4)
     assert arena.contains(key(0)) and not arena.contains(key(1)), "a touched block went first"
@@ -144,15 +144,15 @@ def test_check_integrity_names_what_disagrees(make_arena: Any) -> None:
     assert any("bytes_used" in p for p in arena.check_integrity())
     arena._bytes_used -= 1
     offset = next(iter(arena._slots))
-    arena._extents[0].free.append(offset)
+    arena._slots_of.extents[0].free.append(offset)
     assert any("free list" in p for p in arena.check_integrity())
-    arena._extents[0].free.pop()
+    arena._slots_of.extents[0].free.pop()
     arena._slots[offset].pins[Holder(7)] = 1
     assert any("holders" in p for p in arena.check_integrity())
     del arena._slots[offset].pins[Holder(7)]
-    arena._classes[16 * KiB].lru.remove(offset)
+    arena._slots_of.classes[16 * KiB].lru.remove(offset)
     assert any("LRU" in p for p in arena.check_integrity())
-    arena._classes[16 * KiB].lru.add(offset)
+    arena._slots_of.classes[16 * KiB].lru.add(offset)
     del arena._index[arena._slots[Offset(offset)].key]
     assert any("not indexed" in p for p in arena.check_integrity())
     arena._index[arena._slots[Offset(offset)].key] = offset

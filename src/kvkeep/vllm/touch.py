@@ -2,7 +2,7 @@
 
 A request whose prefix vLLM already holds never asks kvkeep about that prefix, so without
 this it ages out of kvkeep's RAM while it is the hottest data there, and is gone when vLLM
-restarts. The scheduler hands each admitted request's device-hit keys to a ``Refresher``,
+restarts. The scheduler hands each admitted request's device-hit keys to a ``TouchQueue``,
 which sends them in one TOUCH from its own thread and connection: the scheduler never waits
 for it, and never sends a message per block.
 """
@@ -20,10 +20,10 @@ from kvkeep.server.client import CacheUnavailable, KVKeepClient, Session
 log = logging.getLogger("vllm.kvkeep")
 
 
-class Refresher:
+class TouchQueue:
     """One daemon thread sending TOUCH messages, at most ``depth`` waiting.
 
-    ``submit`` never blocks and never raises: with the queue full the refresh is dropped
+    ``submit`` never blocks and never raises: with the queue full the TOUCH is dropped
     (the prefix only ages sooner). A failed TOUCH is logged at debug level and forgotten.
     """
 
@@ -31,7 +31,7 @@ class Refresher:
         self._client = client
         self._queue: queue.Queue[tuple[Session, Sequence[BlockKey]] | None] = queue.Queue(depth)
         self.dropped = 0
-        self._thread = start_thread(self._loop, "kvkeep-refresh")
+        self._thread = start_thread(self._loop, "kvkeep-touch")
 
     def submit(self, session: Session, keys: Sequence[BlockKey]) -> bool:
         """Queue one TOUCH of ``keys``; False if it was dropped (queue full) or empty."""
@@ -61,7 +61,7 @@ class Refresher:
             try:
                 self._client.touch(*item)
             except CacheUnavailable as exc:
-                log.debug("kvkeep: refresh of %d blocks failed: %s", len(item[1]), exc)
+                log.debug("kvkeep: TOUCH of %d blocks failed: %s", len(item[1]), exc)
             finally:
                 self._queue.task_done()
         self._queue.task_done()

@@ -1,16 +1,7 @@
-"""The RAM tier: a shared-memory arena cut into fixed-size slots, with LRU eviction and pins.
+"""The RAM tier: blocks in slots of a shared-memory arena, with pins and LRU eviction.
 
-Arena layout (one file in /dev/shm, mapped by the server and every client)::
-
-    | extent 0                 | extent 1                 | ... | extent E-1          |
-    | slot | slot | slot | ... | slot      | slot      |  ...                          |
-      <- slot_bytes(class A) ->  <- slot_bytes(class B) ->
-
-The arena is split into equal extents. An extent is free until a size class (the rounded-up
-block size of a namespace) needs room; then it is carved into slots of that class. A slot is
-named by its byte offset in the arena, which is what clients map. When no free slot or extent
-is left, the class evicts its least-recently-used unpinned slot; a class with no extent at all
-takes over a whole extent from another class (the one that has most) whose slots are unpinned.
+Where a block's slot is and which slot goes when room is needed is the allocator's
+(:mod:`kvkeep.store.allocator`); this module keeps what the slots hold and who holds them.
 
 Slot states: free -> reserved (being written, invisible to readers) -> committed (visible,
 evictable unless pinned) -> free. Pinned committed slots are never evicted or reused.
@@ -18,8 +9,9 @@ evictable unless pinned) -> free. Pinned committed slots are never evicted or re
 Pins and reservations belong to a ``Holder``: one per server connection, and ``INTERNAL`` for
 the store's own short pins (write-behind, promotion, ``get``/``put``). They are counted once,
 here, per holder and slot; ``drop_holder`` aborts a holder's reservations and drops its pins,
-so a connection that goes away leaves nothing behind. ``check_integrity`` re-derives every
-count from the slots and names what disagrees.
+so a connection that goes away leaves nothing behind. TOUCH (``touch``, one key or a whole
+prefix) makes committed blocks most recent without counting a hit. ``check_integrity``
+re-derives every count from the slots and names what disagrees.
 """
 
 from __future__ import annotations
@@ -29,8 +21,8 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from kvkeep.store.allocator import SlotAllocator
 from kvkeep.store.base import Found, StoreKey, TierCounters, TierStats, checksum
-from kvkeep.store.policy import LruPolicy
 from kvkeep.store.shm import SharedArena
 from kvkeep.store.slots import (
     INTERNAL,
@@ -53,21 +45,7 @@ class _Slot:
     pins: dict[Holder, int] = field(default_factory=dict)  # no zero entries
 
 
-@dataclass
-class _Extent:
-    index: int
-    slot_bytes: int = 0  # 0: free extent
-    free: list[Offset] = field(default_factory=list)
-
-
-@dataclass
-class _SizeClass:
-    slot_bytes: int
-    extents: list[_Extent] = field(default_factory=list)
-    lru: LruPolicy = field(default_factory=LruPolicy)
-
-
-class ArenaTier:
+class RamTier:
     """The RAM tier. All methods are thread-safe (one lock) and never block on I/O."""
 
     name = "ram"
@@ -76,8 +54,7 @@ class ArenaTier:
         self.config = config
         self.arena = SharedArena(path, config.num_extents * config.extent_bytes, create=True)
         self._lock = threading.Lock()
-        self._extents = [_Extent(i) for i in range(config.num_extents)]
-        self._classes: dict[int, _SizeClass] = {}
+        self._slots_of = SlotAllocator(config.num_extents, config.extent_bytes)
         self._slots: dict[Offset, _Slot] = {}
         self._index: dict[StoreKey, Offset] = {}  # committed or reserved key -> offset
         self._held: dict[Holder, set[Offset]] = {}  # slots a holder pins or has reserved
@@ -102,7 +79,7 @@ class ArenaTier:
         with self._lock:
             if key in self._index:
                 return None
-            offset = self._allocate(slot_bytes_for(length))
+            offset = self._slots_of.allocate(slot_bytes_for(length), self._may_go, self._evict)
             if offset is not None:
                 self._slots[offset] = _Slot(key, length, holder)
                 self._index[key] = offset
@@ -127,7 +104,7 @@ class ArenaTier:
             self._unhold(holder, offset)
             if pin_for is not None:
                 self._pin(slot, offset, pin_for)
-            self._class_of(offset).lru.add(offset)
+            self._slots_of.class_of(offset).lru.add(offset)
             self._counters.bytes_in += slot.length
             self._bytes_used += slot.length
             return True
@@ -160,11 +137,7 @@ class ArenaTier:
             self._counters.bytes_out += sum(p.length for p in pinned)
         return pinned
 
-    def touch(self, key: StoreKey) -> bool:
-        """Whether ``key`` is committed here; if so, mark it most recent (no hit counted)."""
-        return self.touch_prefix((key,)) == 1
-
-    def touch_many(self, keys: Sequence[StoreKey]) -> int:
+    def touch(self, keys: Sequence[StoreKey]) -> int:
         """Mark the committed ``keys`` most recent, ``keys[0]`` most of all (no hit counted);
         how many were here. Last key first, so that when a chain ages its tail goes before
         its head: a chain without its head is useless, one without its tail is a shorter hit.
@@ -175,7 +148,7 @@ class ArenaTier:
 
     def touch_prefix(self, keys: Sequence[StoreKey], start: int = 0) -> int:
         """How many of ``keys[start:]`` in a row are committed here; those are marked most
-        recent, ``keys[start]`` most of all (as ``touch_many``; no hit counted). A LOOKUP
+        recent, ``keys[start]`` most of all (as ``touch``; no hit counted). A LOOKUP
         touches what it finds, so the blocks it promises are the last to be evicted before
         the worker's ACQUIRE, and prefixes in use stay in RAM. One lock, no per-key calls."""
         slots, found = self._slots, []
@@ -188,11 +161,12 @@ class ArenaTier:
 
     def _touch_offsets(self, offsets: list[Offset]) -> int:
         """Make ``offsets`` (committed) most recent, the first most of all; how many. Locked."""
-        if len(self._classes) == 1:  # one block size: one LRU
-            next(iter(self._classes.values())).lru.touch_many(reversed(offsets))
+        classes = self._slots_of.classes
+        if len(classes) == 1:  # one block size: one LRU
+            next(iter(classes.values())).lru.touch_many(reversed(offsets))
             return len(offsets)
         for offset in reversed(offsets):
-            self._class_of(offset).lru.touch(offset)
+            self._slots_of.class_of(offset).lru.touch(offset)
         return len(offsets)
 
     def unpin(self, offset: Offset, holder: Holder = INTERNAL) -> bool:
@@ -350,59 +324,11 @@ class ArenaTier:
             if not held:
                 del self._held[holder]
 
-    # --- allocation (lock held) ------------------------------------------------------------
+    # --- what the allocator asks (lock held) ---------------------------------------------
 
-    def _allocate(self, slot_bytes: int) -> Offset | None:
-        cls = self._classes.setdefault(slot_bytes, _SizeClass(slot_bytes))
-        for owned in cls.extents:
-            if owned.free:
-                return owned.free.pop()
-        extent = self._free_extent()
-        if extent is None and not cls.extents:
-            extent = self._steal_extent()
-        if extent is not None:
-            self._carve(extent, cls)
-            return extent.free.pop()
-        return self._evict_lru(cls)
-
-    def _free_extent(self) -> _Extent | None:
-        return next((e for e in self._extents if e.slot_bytes == 0), None)
-
-    def _carve(self, extent: _Extent, cls: _SizeClass) -> None:
-        base, count = self._base(extent), self.config.extent_bytes // cls.slot_bytes
-        extent.slot_bytes = cls.slot_bytes
-        extent.free = [Offset(base + i * cls.slot_bytes) for i in reversed(range(count))]
-        cls.extents.append(extent)
-
-    def _evict_lru(self, cls: _SizeClass) -> Offset | None:
-        victim = next((o for o in cls.lru.victims() if not self._slots[Offset(o)].pins), None)
-        if victim is None:
-            return None
-        self._evict(Offset(victim))
-        return self._extent_of(Offset(victim)).free.pop()
-
-    def _steal_extent(self) -> _Extent | None:
-        """Empty one extent of the class holding most extents, if none of its slots is in use."""
-        donors = sorted(self._classes.values(), key=lambda c: len(c.extents), reverse=True)
-        for donor in donors:
-            for extent in donor.extents:
-                if self._extent_idle(extent):
-                    self._release_extent(donor, extent)
-                    return extent
-        return None
-
-    def _extent_idle(self, extent: _Extent) -> bool:
-        return all(self._slots[o].committed and not self._slots[o].pins for o in self._live(extent))
-
-    def _release_extent(self, donor: _SizeClass, extent: _Extent) -> None:
-        for offset in self._live(extent):
-            self._evict(offset)
-        donor.extents.remove(extent)
-        extent.slot_bytes, extent.free = 0, []
-
-    def _live(self, extent: _Extent) -> list[Offset]:
-        base, end = self._base(extent), self._base(extent) + self.config.extent_bytes
-        return [o for o in self._slots if base <= o < end]
+    def _may_go(self, offset: Offset) -> bool:
+        slot = self._slots[offset]
+        return slot.committed and not slot.pins
 
     def _evict(self, offset: Offset) -> None:
         slot = self._slots[offset]
@@ -418,29 +344,19 @@ class ArenaTier:
             del self._index[slot.key]
         if not slot.committed:
             self._unhold(slot.owner, offset)
-        self._class_of(offset).lru.remove(offset)
-        self._extent_of(offset).free.append(offset)
-
-    def _base(self, extent: _Extent) -> int:
-        return extent.index * self.config.extent_bytes
-
-    def _extent_of(self, offset: Offset) -> _Extent:
-        return self._extents[offset // self.config.extent_bytes]
-
-    def _class_of(self, offset: Offset) -> _SizeClass:
-        return self._classes[self._extent_of(offset).slot_bytes]
+        self._slots_of.free(offset)
 
     # --- integrity (lock held) -------------------------------------------------------------
 
     def _problems(self) -> Iterator[str]:
-        live: dict[int, list[Offset]] = {}  # extent index -> its live slots, in one pass
-        for offset in self._slots:
-            live.setdefault(offset // self.config.extent_bytes, []).append(offset)
         yield from self._index_problems()
         yield from self._pin_problems()
-        for extent in self._extents:
-            yield from self._extent_problems(extent, live.get(extent.index, []))
-        yield from self._class_problems(live)
+        if set(self._slots) != self._slots_of.in_use:
+            yield "the slots held and those the allocator has in use differ"
+        yield from self._slots_of.problems(
+            lambda o: o in self._slots and self._slots[o].committed,
+            lambda o: self._slots[o].length if o in self._slots else 0,
+        )
         committed = sum(s.length for s in self._slots.values() if s.committed)
         if committed != self._bytes_used:
             yield f"bytes_used {self._bytes_used} != {committed} committed bytes"
@@ -466,35 +382,3 @@ class ArenaTier:
                 expected.setdefault(holder, set()).add(offset)
         if expected != self._held:
             yield f"holders' slots {self._held} != those the slots name {expected}"
-
-    def _extent_problems(self, extent: _Extent, live: list[Offset]) -> Iterator[str]:
-        free = extent.free
-        if extent.slot_bytes == 0:
-            if live or free:
-                yield f"extent {extent.index}: free, yet has slots"
-            return
-        base, size = self._base(extent), extent.slot_bytes
-        if len(set(free)) != len(free) or set(free) & set(live):
-            yield f"extent {extent.index}: free list repeats or holds a live slot"
-        if len(free) + len(live) != self.config.extent_bytes // size:
-            yield f"extent {extent.index}: {len(free)} free + {len(live)} live slots"
-        for offset in [*free, *live]:
-            if (offset - base) % size or offset // self.config.extent_bytes != extent.index:
-                yield f"extent {extent.index}: offset {offset} is not a slot boundary"
-        for offset in live:
-            if self._slots[offset].length > size:
-                yield f"slot {offset}: {self._slots[offset].length} bytes in a {size} slot"
-
-    def _class_problems(self, live: dict[int, list[Offset]]) -> Iterator[str]:
-        carved = {e.index for e in self._extents if e.slot_bytes}
-        owned = [e.index for c in self._classes.values() for e in c.extents]
-        if sorted(owned) != sorted(carved):
-            yield f"classes own extents {sorted(owned)}, carved are {sorted(carved)}"
-        for cls in self._classes.values():
-            if any(e.slot_bytes != cls.slot_bytes for e in cls.extents):
-                yield f"class {cls.slot_bytes}: owns an extent of another size"
-            slots = [o for e in cls.extents for o in live.get(e.index, [])]
-            committed = {o for o in slots if self._slots[o].committed}
-            lru = list(cls.lru.victims())
-            if len(lru) != len(set(lru)) or set(lru) != committed:
-                yield f"class {cls.slot_bytes}: LRU != its committed slots"
