@@ -103,10 +103,10 @@ def layout_figures(
            "round_trip_exact": bool(torch.equal(check, rows))}  # fmt: skip
     # a load as the connector's loader runs it: the checksums on the mover's threads beside
     # the copy in
-    views, crcs = [s.data for s in slots], [checksum(s.data) for s in slots]
+    views, checksums = [s.data for s in slots], [checksum(s.data) for s in slots]
     verifier = SlotVerifier(mover.verify_threads)
 
-    def verified_load(expected: list[int] = crcs) -> int:
+    def verified_load(expected: list[int] = checksums) -> int:
         check = verifier.start(views, expected)
         return mover.scatter_checked(kv, targets, slots, check)
 
@@ -144,13 +144,13 @@ def verify_figures(block_bytes: int, blocks: int) -> dict[str, float]:
     arena = mmap.mmap(-1, blocks * block_bytes)
     np.frombuffer(arena, np.uint8)[:] = 7
     views = [memoryview(arena)[j * block_bytes : (j + 1) * block_bytes] for j in range(blocks)]
-    crcs = [checksum(v) for v in views]
+    checksums = [checksum(v) for v in views]
     out = {}
     for threads in (1, 2, 4, 8):
         if threads > max(1, len(os.sched_getaffinity(0))):
             break
         verifier = SlotVerifier(threads, min_parallel_bytes=0)
-        seconds = timed(lambda v=verifier: v.first_bad(views, crcs), 3, lambda: None)
+        seconds = timed(lambda v=verifier: v.first_bad(views, checksums), 3, lambda: None)
         out[f"threads_{threads}_gbps"] = blocks * block_bytes / seconds / 1e9
         verifier.close()
     out["default_threads"] = default_threads()

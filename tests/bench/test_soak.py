@@ -58,7 +58,8 @@ def test_faults_that_fell_due_during_a_long_restart_are_skipped_not_fired_in_a_b
         return ""
 
     t0 = time.monotonic()
-    faults = Faults(SoakSpec(minutes=0.05, kill_every_s=0.4, down_s=0.1), None, None,
+    engine = SimpleNamespace(ready_s=None)  # no start measured: no restart is too late
+    faults = Faults(SoakSpec(minutes=0.05, kill_every_s=0.4, down_s=0.1), None, engine,
                     SimpleNamespace(t0=t0))  # type: ignore[arg-type]  # fmt: skip
     monkeypatch.setattr(faults, "_do", do)
     faults.run(threading.Event())

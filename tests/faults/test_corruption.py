@@ -71,9 +71,11 @@ def swap_index_entries(a: Where, b: Where, ks: tuple[bytes, bytes]) -> None:
     idx = a.log.with_suffix(".idx")
     records = read_index(idx, a.log.stat().st_size)
     assert records is not None
-    crc = {r.key[32:]: r.crc for r in records}
+    block_checksum = {r.key[32:]: r.checksum for r in records}
     fixed = [
-        r._replace(crc=crc[ks[1]] if r.key[32:] == ks[0] else crc[ks[0]]) if r.key[32:] in ks else r
+        r._replace(checksum=block_checksum[ks[1]] if r.key[32:] == ks[0] else block_checksum[ks[0]])
+        if r.key[32:] in ks
+        else r
         for r in records
     ]
     write_index(idx, fixed, a.log.stat().st_size)

@@ -226,9 +226,9 @@ def test_bombs_and_bad_checksums_against_the_live_server(server: Server) -> None
     key = keys(1, offset=7_000)[0]
     raw.sock.sendall(p.frame(p.request_body(1, p.Op.RESERVE, {"ns": 0, "keys": [key]})))
     ((_, offset),) = (raw.reply() or {})["result"]["slots"]
-    for crc in (-1, -(2**63), 1.5):  # any u64 is a checksum
+    for block_checksum in (-1, -(2**63), 1.5):  # any u64 is a checksum
         raw.sock.sendall(
-            p.frame(p.request_body(2, p.Op.COMMIT, {"ns": 0, "slots": [[offset, crc]]}))
+            p.frame(p.request_body(2, p.Op.COMMIT, {"ns": 0, "slots": [[offset, block_checksum]]}))
         )
         assert (raw.reply() or {})["error"]["code"] == "bad_request"
     # The widest checksum is accepted; it is wrong for the slot's bytes, so the writer

@@ -270,9 +270,11 @@ class KVKeepClient:
 
     # --- plumbing ----------------------------------------------------------------------------
 
-    def _slot(self, key: BlockKey, offset: Offset, session: Session, crc: int) -> SlotRef:
+    def _slot(
+        self, key: BlockKey, offset: Offset, session: Session, block_checksum: int
+    ) -> SlotRef:
         assert self._arena is not None
-        return SlotRef(key, offset, session.block_bytes, crc, self._arena.instance)
+        return SlotRef(key, offset, session.block_bytes, block_checksum, self._arena.instance)
 
     def _call_ns(
         self, session: Session, request: Callable[[int], p.RequestMessage]

@@ -123,7 +123,7 @@ class _Loc(NamedTuple):
     segment: int
     offset: int
     length: int
-    crc: int
+    checksum: int
 
 
 @dataclass
@@ -176,8 +176,8 @@ class DiskTier:
             complete = False
         read = time.perf_counter_ns()
         record = unpack_header(bytes(header), loc.offset) if complete else None
-        expected = Record(key, loc.offset, loc.length, loc.crc, KIND_DATA)
-        intact = record == expected and checksum(target) == loc.crc
+        expected = Record(key, loc.offset, loc.length, loc.checksum, KIND_DATA)
+        intact = record == expected and checksum(target) == loc.checksum
         self._counters.read_ns += read - started
         self._counters.verify_ns += time.perf_counter_ns() - read
         if not intact:
@@ -185,7 +185,7 @@ class DiskTier:
             return None
         self._counters.hits += 1
         self._counters.bytes_out += loc.length
-        return Found(loc.length, loc.crc)
+        return Found(loc.length, loc.checksum)
 
     def put(self, key: StoreKey, data: memoryview, checksum: int) -> bool:
         record_bytes = HEADER_BYTES + len(data)
@@ -256,7 +256,7 @@ class DiskTier:
         return self._segments[max(self._segments)]
 
     def _append(
-        self, kind: int, key: StoreKey, data: bytes | memoryview, crc: int
+        self, kind: int, key: StoreKey, data: bytes | memoryview, block_checksum: int
     ) -> tuple[int, int]:
         """Write one record at the end of the active segment, or nothing at all; the file
         descriptor and the offset the record ends at.
@@ -265,7 +265,7 @@ class DiskTier:
         ``write_errors`` and raised as OSError, so the segment never holds a torn record.
         """
         segment = self._active
-        header = pack_header(kind, key, len(data), crc)
+        header = pack_header(kind, key, len(data), block_checksum)
         try:
             written = os.pwritev(segment.fd, [header, data], segment.size)
             if written != HEADER_BYTES + len(data):
@@ -275,12 +275,12 @@ class DiskTier:
             with contextlib.suppress(OSError):
                 os.ftruncate(segment.fd, segment.size)
             raise
-        record = Record(key, segment.size + HEADER_BYTES, len(data), crc, kind)
+        record = Record(key, segment.size + HEADER_BYTES, len(data), block_checksum, kind)
         segment.records.append(record)
         segment.size += HEADER_BYTES + len(data)
         self._used += HEADER_BYTES + len(data)
         if kind == KIND_DATA:
-            self._index[key] = _Loc(segment.id, record.offset, record.length, crc)
+            self._index[key] = _Loc(segment.id, record.offset, record.length, block_checksum)
         written_at = (segment.fd, segment.size)
         if segment.size >= self.config.effective_segment_bytes:
             self._seal(segment)
@@ -419,7 +419,9 @@ class DiskTier:
         if record.kind == KIND_TOMBSTONE:
             self._index.pop(record.key, None)
         else:
-            self._index[record.key] = _Loc(segment_id, record.offset, record.length, record.crc)
+            self._index[record.key] = _Loc(
+                segment_id, record.offset, record.length, record.checksum
+            )
 
     def _scan(self, segment: _Segment) -> list[Record]:
         """Read headers front to back; truncate the file at the first torn or bad record."""

@@ -31,23 +31,29 @@ HEADER_BYTES = _HEADER.size + _HEADER_SUM.size
 _PREAMBLE = struct.Struct("<4sH")  # what every version's record and index start with
 _INDEX_HEADER = struct.Struct("<4sHHQQQ")  # magic, version, pad, count, segment size, checksum
 _INDEX_DTYPE = np.dtype(
-    [("key", "u1", (64,)), ("offset", "<u8"), ("length", "<u8"), ("crc", "<u8"), ("kind", "<u8")]
+    [
+        ("key", "u1", (64,)),
+        ("offset", "<u8"),
+        ("length", "<u8"),
+        ("crc", "<u8"),
+        ("kind", "<u8"),
+    ]  # "crc": the persisted name of the checksum column (XXH3-64, see ``VERSION``)
 )
 
 
 class Record(NamedTuple):
-    """One record of a segment, as found in its index or by a scan. ``crc`` is the payload's
-    ``checksum`` (the name is older than the switch from CRC-32)."""
+    """One record of a segment, as found in its index or by a scan; ``checksum`` is the
+    payload's (``kvkeep.store.base.checksum``)."""
 
     key: StoreKey
     offset: int  # of the payload
     length: int
-    crc: int
+    checksum: int
     kind: int
 
 
-def pack_header(kind: int, key: bytes, length: int, crc: int) -> bytes:
-    head = _HEADER.pack(MAGIC, VERSION, kind, length, key, crc)
+def pack_header(kind: int, key: bytes, length: int, block_checksum: int) -> bytes:
+    head = _HEADER.pack(MAGIC, VERSION, kind, length, key, block_checksum)
     return head + _HEADER_SUM.pack(checksum(head))
 
 
@@ -58,10 +64,10 @@ def unpack_header(raw: bytes, payload_offset: int) -> Record | None:
     head = raw[: _HEADER.size]
     if checksum(head) != _HEADER_SUM.unpack_from(raw, _HEADER.size)[0]:
         return None
-    magic, version, kind, length, key, crc = _HEADER.unpack(head)
+    magic, version, kind, length, key, block_checksum = _HEADER.unpack(head)
     if magic != MAGIC or version != VERSION or kind not in (KIND_DATA, KIND_TOMBSTONE):
         return None
-    return Record(StoreKey(key), payload_offset, length, crc, kind)
+    return Record(StoreKey(key), payload_offset, length, block_checksum, kind)
 
 
 def format_version(path: Path) -> int | None:
@@ -82,7 +88,7 @@ def write_index(path: Path, records: list[Record], segment_size: int) -> None:
         table["key"] = np.frombuffer(b"".join(r.key for r in records), np.uint8).reshape(-1, 64)
         table["offset"] = [r.offset for r in records]
         table["length"] = [r.length for r in records]
-        table["crc"] = [r.crc for r in records]
+        table["crc"] = [r.checksum for r in records]
         table["kind"] = [r.kind for r in records]
     body = table.tobytes()
     header = _INDEX_HEADER.pack(INDEX_MAGIC, VERSION, 0, len(records), segment_size, checksum(body))
@@ -106,10 +112,10 @@ def read_index(path: Path, segment_size: int) -> list[Record] | None:
         return None
     if len(raw) < _INDEX_HEADER.size:
         return None
-    magic, version, _, count, size, crc = _INDEX_HEADER.unpack_from(raw)
+    magic, version, _, count, size, index_checksum = _INDEX_HEADER.unpack_from(raw)
     body = raw[_INDEX_HEADER.size :]
     valid = magic == INDEX_MAGIC and version == VERSION and size == segment_size
-    if not valid or len(body) != count * _INDEX_DTYPE.itemsize or checksum(body) != crc:
+    if not valid or len(body) != count * _INDEX_DTYPE.itemsize or checksum(body) != index_checksum:
         return None
     table = np.frombuffer(body, dtype=_INDEX_DTYPE)
     keys = table["key"].tobytes()
@@ -121,6 +127,6 @@ def read_index(path: Path, segment_size: int) -> list[Record] | None:
         strict=True,
     )
     return [
-        Record(StoreKey(keys[i * 64 : i * 64 + 64]), off, length, crc, kind)
-        for i, (off, length, crc, kind) in enumerate(columns)
+        Record(StoreKey(keys[i * 64 : i * 64 + 64]), off, length, block_checksum, kind)
+        for i, (off, length, block_checksum, kind) in enumerate(columns)
     ]

@@ -213,13 +213,13 @@ class KnownKeys:
             self._keys.pop(key, None)
 
 
-def pack_value(data: bytes | memoryview, crc: int) -> bytes:
+def pack_value(data: bytes | memoryview, block_checksum: int) -> bytes:
     """The stored value of a block: header || payload (one copy of ``data``)."""
-    return VALUE_HEADER.pack(VALUE_MAGIC, len(data), crc) + bytes(data)
+    return VALUE_HEADER.pack(VALUE_MAGIC, len(data), block_checksum) + bytes(data)
 
 
 class Value(NamedTuple):
-    crc: int
+    checksum: int
     payload: memoryview
 
 
@@ -228,11 +228,11 @@ def unpack_value(raw: bytes) -> Value | None:
     None otherwise. The payload is not checked against the checksum here (see ``get``)."""
     if len(raw) < VALUE_HEADER.size:
         return None
-    magic, length, crc = VALUE_HEADER.unpack_from(raw)
+    magic, length, block_checksum = VALUE_HEADER.unpack_from(raw)
     payload = memoryview(raw)[VALUE_HEADER.size :]
     if magic != VALUE_MAGIC or len(payload) != length:
         return None
-    return Value(crc, payload)
+    return Value(block_checksum, payload)
 
 
 class RemoteTier:
@@ -293,15 +293,15 @@ class RemoteTier:
                 self._corrupt(key)
             self._miss(key)
             return None
-        crc, payload = value
-        if not copy_checked(out, payload, crc):
+        block_checksum, payload = value
+        if not copy_checked(out, payload, block_checksum):
             self._corrupt(key)
             self._miss(key)
             return None
         self._known.add(key)
         self._counters.hits += 1
         self._counters.bytes_out += len(payload)
-        return Found(len(payload), crc)
+        return Found(len(payload), block_checksum)
 
     def put(self, key: StoreKey, data: memoryview, checksum: int) -> bool:
         """Queue a copy of the block for the writer; False (counted) if it is dropped.

@@ -90,7 +90,7 @@ class _Write(NamedTuple):
     key: StoreKey
     offset: Offset
     length: int
-    crc: int
+    checksum: int
     queued_at: float  # time.monotonic()
 
 
@@ -215,17 +215,17 @@ class TieredStore:
         not age out of RAM. No I/O, one lock; nothing else changes (no hit is counted)."""
         return self._ram.touch(keys)
 
-    def commit(self, offset: Offset, crc: int, holder: Holder = INTERNAL) -> bool:
+    def commit(self, offset: Offset, block_checksum: int, holder: Holder = INTERNAL) -> bool:
         """Publish a slot ``holder`` reserved and queue it for the lower tiers; never blocks.
         False if ``holder`` has no reservation at ``offset``."""
         # The writer's pin is taken atomically with the commit so the slot cannot be evicted
         # before the write-through copies it out.
         pin_for = INTERNAL if self._through else None
-        if not self._ram.commit(offset, crc, holder, pin_for):
+        if not self._ram.commit(offset, block_checksum, holder, pin_for):
             return False
         info = self._ram.committed(offset)
         if self._through and info is not None:
-            self._enqueue(_Write(info.key, offset, info.length, crc, time.monotonic()))
+            self._enqueue(_Write(info.key, offset, info.length, block_checksum, time.monotonic()))
         return True
 
     def release(self, offset: Offset, holder: Holder = INTERNAL) -> None:
@@ -405,19 +405,19 @@ class TieredStore:
         """A flush waits, or the queue is near the point where writes are dropped."""
         return self._hurry.is_set() or self._queue.qsize() >= self._urgent
 
-    def _spill_evicted(self, key: StoreKey, data: memoryview, crc: int) -> None:
+    def _spill_evicted(self, key: StoreKey, data: memoryview, block_checksum: int) -> None:
         """RAM's eviction hook: hand the block to the on-evict tiers (they copy it)."""
-        if self._spill and not verify(data, crc):
+        if self._spill and not verify(data, block_checksum):
             self.corrupt_writes += 1
             return
         for tier in self._spill:
-            tier.put(key, data, crc)
+            tier.put(key, data, block_checksum)
 
     def _write_through(self, write: _Write) -> None:
         if not self._through:
             return
         data = self._ram.view(write.offset, write.length)
-        if not verify(data, write.crc):
+        if not verify(data, write.checksum):
             # The RAM copy went bad after its commit (a scribble, a faulty writer). Persisting
             # it would only turn one miss into a miss that outlives the server.
             self.corrupt_writes += 1
@@ -425,7 +425,7 @@ class TieredStore:
             return
         for tier in self._through:
             try:
-                tier.put(write.key, data, write.crc)
+                tier.put(write.key, data, write.checksum)
             except Exception:
                 # An uncaught error here would end the writer: every later write would pile
                 # up pinned in the queue and close() would wait on it forever.

@@ -293,9 +293,9 @@ class Saver:
                 slots = self.client.reserve(jobs[0].session, list(rows))
             if not slots:
                 return
-            crcs = self._fill(rows, slots)
+            checksums = self._fill(rows, slots)
             with self._timed("commit_rpc_s"):
-                committed = self.client.commit(jobs[0].session, slots, crcs)
+                committed = self.client.commit(jobs[0].session, slots, checksums)
             self._count("saved_tokens", committed * self.layout.description.block_size)
             if committed < len(slots):  # reservations lost with a connection: not ours now
                 self._count("save_failures", 1)
@@ -313,20 +313,20 @@ class Saver:
         whatever else was written there meanwhile (see the module doc). The phases are timed
         per batch, not per slot: on 2 cores four counter updates a slot cost more than a
         256 KiB block's checksum."""
-        crcs = []
+        checksums = []
         clock, copy_s, hash_s = time.perf_counter, 0.0, 0.0
         try:
             for slot in slots:
                 row = rows[slot.key].numpy()
                 t0 = clock()
-                crcs.append(checksum(row.data))
+                checksums.append(checksum(row.data))
                 t1 = clock()
                 self._copy_into(self.client.slot_view(slot), row)
                 copy_s, hash_s = copy_s + clock() - t1, hash_s + t1 - t0
         finally:
             self._count("slot_copy_s", copy_s)
             self._count("checksum_s", hash_s)
-        return crcs
+        return checksums
 
     @staticmethod
     def _copy_into(slot: np.ndarray, row: np.ndarray) -> None:

@@ -269,7 +269,8 @@ class Faults:
             if stop.wait(max(0.0, -late_s)):
                 return
             left_s = self.t0 + self.spec.duration_s - time.monotonic()
-            if event.kind == "engine_restart" and left_s < (self.engine.ready_s or 0) + 10:
+            last_start_s = self.engine.ready_s
+            if event.kind == "engine_restart" and last_start_s and left_s < last_start_s + 5:
                 # the new engine would come up as the agents stop: nothing would be measured
                 why = f"engine_restart due at {event.t_s:.0f} s would end after the run"
                 self.events.append(Event(event.t_s, "skipped", 0.0, why))

@@ -204,12 +204,12 @@ def _wait_arena(client: KVKeepClient) -> None:
 
 
 def _put_all(client: KVKeepClient, session: Session, keys: list[Any], data: np.ndarray) -> None:
-    crc = checksum(data.data)
+    block_checksum = checksum(data.data)
     for start in range(0, len(keys), BATCH):
         slots = client.reserve(session, keys[start : start + BATCH])
         for slot in slots:
             np.copyto(client.slot_view(slot), data)
-        client.commit(session, slots, [crc] * len(slots))
+        client.commit(session, slots, [block_checksum] * len(slots))
 
 
 def _get_all(
@@ -234,8 +234,8 @@ def _get_all(
         t1 = clock()
         views = [client.slot_view(slot) for slot in slots]
         # as the connector's host loads do: the checksums on a helper beside the copy
-        crcs = [s.checksum for s in slots]
-        check = verifier.start([v.data for v in views], crcs) if verifier else None
+        checksums = [s.checksum for s in slots]
+        check = verifier.start([v.data for v in views], checksums) if verifier else None
         for j, view in enumerate(views):
             np.copyto(out, view)
             if check is not None:
@@ -314,9 +314,9 @@ def _rebuild_s_per_100k(directory: Path, blocks: int) -> float:
     config = DiskConfig(str(disk_dir), max(blocks * record * 2, 64 << 20), fsync_on_seal=False)
     disk = DiskTier(config)
     payload = memoryview(bytes(1024))
-    crc = checksum(payload)
+    block_checksum = checksum(payload)
     for i in range(blocks):
-        disk.put(StoreKey(i.to_bytes(64, "little")), payload, crc)
+        disk.put(StoreKey(i.to_bytes(64, "little")), payload, block_checksum)
     disk.close()
     with _server(directory, ram=64 << 20, disk=config.capacity_bytes) as server:
         stats = KVKeepClient(server.socket).stats()
