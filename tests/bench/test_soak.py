@@ -70,6 +70,31 @@ def test_faults_that_fell_due_during_a_long_restart_are_skipped_not_fired_in_a_b
     assert faults.count("server_kill") == 1
 
 
+def test_a_restart_that_fell_due_during_a_long_kill_fires_late_not_never(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # CI once took 30 s to bring a killed server back; the restart due meanwhile was skipped,
+    # and with it the ready fault the short soak exists for.
+    plan = [Event(0.1, "server_kill"), Event(0.2, "server_kill"), Event(0.3, "engine_restart")]
+    monkeypatch.setattr(soak_faults, "schedule", lambda spec: plan)
+    done: list[tuple[str, float]] = []
+
+    def do(kind: str, kills: int) -> str:
+        done.append((kind, time.monotonic() - t0))
+        if kind == "server_kill" and len(done) == 1:
+            time.sleep(0.8)  # a kill whose server is slow to come back
+        return ""
+
+    t0 = time.monotonic()
+    faults = Faults(SoakSpec(minutes=0.05, kill_every_s=0.4, down_s=0.1), None,
+                    SimpleNamespace(ready_s=None), SimpleNamespace(t0=t0))  # type: ignore[arg-type]  # fmt: skip
+    monkeypatch.setattr(faults, "_do", do)
+    faults.run(threading.Event())
+    assert [kind for kind, _ in done] == ["server_kill", "engine_restart"]
+    assert done[1][1] >= 0.8  # late, right after the slow kill
+    assert [e.kind for e in faults.events] == ["server_kill", "skipped", "engine_restart"]
+
+
 def test_no_corruption_when_off() -> None:
     events = schedule(SoakSpec(minutes=10, corrupt=False))
     assert "corrupt_live" not in {e.kind for e in events}

@@ -39,9 +39,9 @@ def samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
             yield m.group(1), dict(_LABEL.findall(m.group(2) or "")), float(m.group(3))
 
 
-def scrape(url: str) -> str:
+def scrape(url: str, timeout_s: float = 30.0) -> str:
     """`{url}/metrics` as text; raises httpx.HTTPError."""
-    r = httpx.get(f"{url}/metrics", timeout=30)
+    r = httpx.get(f"{url}/metrics", timeout=timeout_s)
     r.raise_for_status()
     return r.text
 
@@ -55,11 +55,11 @@ def vllm_counters(url: str) -> dict[str, float]:
     return out
 
 
-def kvkeep_tokens(url: str) -> dict[str, float]:
+def kvkeep_tokens(url: str, page: str | None = None) -> dict[str, float]:
     """The connector's `vllm:kvkeep_tokens_total` by op (tokens offered, loaded, failed to
-    load, saved); zeros when the connector is off."""
+    load, saved); zeros when the connector is off. ``page``: a page `scrape` already read."""
     out = dict.fromkeys(KVKEEP_OPS, 0.0)
-    for name, labels, value in samples(scrape(url)):
+    for name, labels, value in samples(scrape(url) if page is None else page):
         if name == "vllm:kvkeep_tokens_total" and "op" in labels:
             out[labels["op"]] = out.get(labels["op"], 0.0) + value
     return out
@@ -75,10 +75,13 @@ GUARD_EVENTS = (
 """The connector's `vllm:kvkeep_events_total` ops that say a failed load was contained."""
 
 
-def kvkeep_events(url: str, ops: Sequence[str] = GUARD_EVENTS) -> dict[str, float]:
-    """The connector's `vllm:kvkeep_events_total` of ``ops`` (zeros when none happened)."""
+def kvkeep_events(
+    url: str, ops: Sequence[str] = GUARD_EVENTS, page: str | None = None
+) -> dict[str, float]:
+    """The connector's `vllm:kvkeep_events_total` of ``ops`` (zeros when none happened).
+    ``page``: a page `scrape` already read."""
     out = dict.fromkeys(ops, 0.0)
-    for name, labels, value in samples(scrape(url)):
+    for name, labels, value in samples(scrape(url) if page is None else page):
         if name == "vllm:kvkeep_events_total" and labels.get("op") in out:
             out[labels["op"]] += value
     return out
@@ -182,8 +185,9 @@ def hit_split(delta: Counters, cacheable: int) -> HitRates:
         f"{tier}_hit_rate": external * (blocks / served if served else 0.0) / cacheable
         for tier, blocks in delta.tier_hits.items()
     }
-    return HitRates((device + external) / cacheable, device / cacheable, external / cacheable,
-                    tiers)  # fmt: skip
+    return HitRates(
+        (device + external) / cacheable, device / cacheable, external / cacheable, tiers
+    )
 
 
 def mean_rates(parts: Sequence[tuple[HitRates, int]]) -> HitRates:

@@ -75,13 +75,21 @@ class SoakScenario:
     name: str = "soak"
 
     def needs(self) -> Needs:
-        return Needs(modes=("kvkeep",), own_engine=True, tokens=self.spec.max_model_len,
-                     num_blocks=self.spec.num_blocks)  # fmt: skip
+        return Needs(
+            modes=("kvkeep",),
+            own_engine=True,
+            tokens=self.spec.max_model_len,
+            num_blocks=self.spec.num_blocks,
+        )
 
     def run(self, ctx: RunContext) -> SoakResult:
         spec = self.spec
-        session = SessionSpec(turns=spec.turns, scale=spec.scale,
-                              max_output_tokens=spec.max_output_tokens, seed=spec.seed)  # fmt: skip
+        session = SessionSpec(
+            turns=spec.turns,
+            scale=spec.scale,
+            max_output_tokens=spec.max_output_tokens,
+            seed=spec.seed,
+        )
         sessions = generate_sessions(session, HFTokenizer(ctx.model), spec.agents)
         print(f"soak: {sum(map(len, sessions))} reference replies, no cache", file=sys.stderr)
         t_ref = time.monotonic()
@@ -146,9 +154,11 @@ async def ask(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Repl
     judged = Judged(
         [token_id(c["token"]) for c in content],
         [float(c["logprob"]) for c in content],
-        [{token_id(t["token"]): float(t["logprob"]) for t in c.get("top_logprobs") or ()}
-         for c in content],
-    )  # fmt: skip
+        [
+            {token_id(t["token"]): float(t["logprob"]) for t in c.get("top_logprobs") or ()}
+            for c in content
+        ],
+    )
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return Reply(judged, int(usage["prompt_tokens"]), int(cached))
 
@@ -206,9 +216,11 @@ class Tally:
                 continue
             verdict = same_as_cold(reply.judged, ref.judged)
             if not verdict:
-                self.errors.append(f"agent {agent} turn {turn.index} at {start - self.t0:.1f} "
-                                   f"s: {verdict.why}: {list(reply.judged.token_ids)} vs "
-                                   f"reference {list(ref.judged.token_ids)}")  # fmt: skip
+                self.errors.append(
+                    f"agent {agent} turn {turn.index} at {start - self.t0:.1f} "
+                    f"s: {verdict.why}: {list(reply.judged.token_ids)} vs "
+                    f"reference {list(ref.judged.token_ids)}"
+                )
             self.results.append(Result(start - self.t0, time.monotonic() - start, reply, verdict))
             return
 
@@ -252,27 +264,49 @@ class SoakResult:
     drift_tolerance: float = DRIFT_TOL
 
 
-def summarize(spec: SoakSpec, tally: Tally, faults: Faults, samples: Sequence[Sample],
-              reference_s: float, wall_s: float) -> SoakResult:  # fmt: skip
+def summarize(
+    spec: SoakSpec,
+    tally: Tally,
+    faults: Faults,
+    samples: Sequence[Sample],
+    reference_s: float,
+    wall_s: float,
+) -> SoakResult:
     """The result; ``samples`` ends with one taken after the run."""
     results, last = tally.results, samples[-1]
     return SoakResult(
-        spec, len(results), tally.failed, tally.lost_to_engine_restart,
-        sum(not r.verdict for r in results), len(results),
+        spec,
+        len(results),
+        tally.failed,
+        tally.lost_to_engine_restart,
+        sum(not r.verdict for r in results),
+        len(results),
         sum(r.verdict.compared for r in results),
         sum(r.verdict.ok and bool(r.verdict.why) for r in results),  # a tie broken
         max((r.verdict.worst for r in results), default=0.0),
-        faults.count("server_kill"), faults.count("engine_restart"),
-        faults.count("ready_kill") + faults.count("ready_corrupt"), faults.count("ready_missed"),
-        last.guard, faults.count("corrupt_live"), faults.flipped, last.disk_checksum_failures,
-        last.kvkeep_hit_blocks, last.loaded_tokens, last.load_failed_tokens,
-        _fraction(results), _pct(results, 0.5), _pct(results, 0.99),
+        faults.count("server_kill"),
+        faults.count("engine_restart"),
+        faults.count("ready_kill") + faults.count("ready_corrupt"),
+        faults.count("ready_missed"),
+        last.guard,
+        faults.count("corrupt_live"),
+        faults.flipped,
+        last.disk_checksum_failures,
+        last.kvkeep_hit_blocks,
+        last.loaded_tokens,
+        last.load_failed_tokens,
+        _fraction(results),
+        _pct(results, 0.5),
+        _pct(results, 0.99),
         hit_windows(results, samples, spec.duration_s),
-        [{"t_s": round(s.t_s, 1), "server_mb": s.server_mb, "vllm_mb": s.vllm_mb}
-         for s in samples],
-        rss_growth(samples), [e._asdict() for e in faults.events], faults.errors,
-        tally.errors[:20], reference_s, wall_s,
-    )  # fmt: skip
+        [{"t_s": round(s.t_s, 1), "server_mb": s.server_mb, "vllm_mb": s.vllm_mb} for s in samples],
+        rss_growth(samples),
+        [e._asdict() for e in faults.events],
+        faults.errors,
+        tally.errors[:20],
+        reference_s,
+        wall_s,
+    )
 
 
 def _fraction(results: Sequence[Result]) -> float:
@@ -330,16 +364,25 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--num-blocks", type=int, default=d.num_blocks, help="vLLM's device pool")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.set_defaults(modes=["kvkeep"], cache_ram=d.cache_ram, cache_disk=d.cache_disk)  # fmt: skip
+    p.set_defaults(modes=["kvkeep"], cache_ram=d.cache_ram, cache_disk=d.cache_disk)
 
 
 def build(args: argparse.Namespace) -> list[SoakScenario]:
-    spec = SoakSpec(minutes=args.minutes, agents=args.agents, turns=args.turns, scale=args.scale,
-                    kill_every_s=args.kill_every, restart_every_s=args.restart_every,
-                    down_s=args.down, corrupt=not args.no_corrupt,
-                    ready_faults=not args.no_ready_faults, num_blocks=args.num_blocks,
-                    seed=args.seed, cache_ram=args.cache_ram,
-                    cache_disk=args.cache_disk)  # fmt: skip
+    spec = SoakSpec(
+        minutes=args.minutes,
+        agents=args.agents,
+        turns=args.turns,
+        scale=args.scale,
+        kill_every_s=args.kill_every,
+        restart_every_s=args.restart_every,
+        down_s=args.down,
+        corrupt=not args.no_corrupt,
+        ready_faults=not args.no_ready_faults,
+        num_blocks=args.num_blocks,
+        seed=args.seed,
+        cache_ram=args.cache_ram,
+        cache_disk=args.cache_disk,
+    )
     return [SoakScenario(spec)]
 
 
