@@ -54,9 +54,11 @@ class MemoryBudget:
         return self.available - self.ram_tier - self.weights - self.overhead
 
     def describe(self) -> str:
-        return (f"{format_size(self.available)} available, RAM tier {format_size(self.ram_tier)},"
-                f" model weights {format_size(self.weights)}, vLLM itself about "
-                f"{format_size(self.overhead)}")  # fmt: skip
+        return (
+            f"{format_size(self.available)} available, RAM tier {format_size(self.ram_tier)},"
+            f" model weights {format_size(self.weights)}, vLLM itself about "
+            f"{format_size(self.overhead)}"
+        )
 
 
 @dataclass(frozen=True)
@@ -105,8 +107,17 @@ def user_pool_gib(env: Mapping[str, str], kv_cache_memory_bytes: str | None) -> 
 def _bytes(text: str) -> int:
     """vLLM's human-readable sizes: 1073741824, 4G (GiB), 4g (10^9), 512M, 1k. Raises
     PoolDoesNotFit."""
-    units = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-             "K": 1 << 10, "M": 1 << 20, "G": GiB, "T": 1 << 40}  # fmt: skip
+    units = {
+        "": 1,
+        "k": 10**3,
+        "m": 10**6,
+        "g": 10**9,
+        "t": 10**12,
+        "K": 1 << 10,
+        "M": 1 << 20,
+        "G": GiB,
+        "T": 1 << 40,
+    }
     number = text.rstrip("kmgtKMGT")
     try:
         return int(float(number) * units[text[len(number) :]])

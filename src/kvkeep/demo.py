@@ -27,6 +27,14 @@ def main(argv: list[str]) -> int:
         print(f"generating the tiny model in {args.model}", file=sys.stderr)
         write_tiny_model(args.model, TinyModelSpec())
     return bench_cli.main(
-        ["all", "--quick", "--model", str(args.model), "--out", str(args.out),
-         "--modes", args.modes]
-    )  # fmt: skip
+        [
+            "all",
+            "--quick",
+            "--model",
+            str(args.model),
+            "--out",
+            str(args.out),
+            "--modes",
+            args.modes,
+        ]
+    )

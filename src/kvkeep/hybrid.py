@@ -39,11 +39,29 @@ STATELESS_TYPES = frozenset({"mlp", "moe", "ffn", "-"})
 STATE_KEYS = ("ssm_state_size", "linear_num_value_heads", "linear_attn_config")
 STATE_MODEL_TYPES = frozenset(
     {
-        "mamba", "mamba2", "falcon_mamba", "jamba", "bamba", "zamba", "zamba2", "falcon_h1",
-        "nemotron_h", "granitemoehybrid", "qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2",
-        "lfm2_moe", "minimax_text_01", "minimax_m1", "kimi_linear", "plamo2", "rwkv", "rwkv7",
+        "mamba",
+        "mamba2",
+        "falcon_mamba",
+        "jamba",
+        "bamba",
+        "zamba",
+        "zamba2",
+        "falcon_h1",
+        "nemotron_h",
+        "granitemoehybrid",
+        "qwen3_next",
+        "qwen3_5",
+        "qwen3_5_moe",
+        "lfm2",
+        "lfm2_moe",
+        "minimax_text_01",
+        "minimax_m1",
+        "kimi_linear",
+        "plamo2",
+        "rwkv",
+        "rwkv7",
     }
-)  # fmt: skip
+)
 
 
 class StateLayers(NamedTuple):

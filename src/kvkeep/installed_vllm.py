@@ -45,8 +45,9 @@ def release(version: str) -> tuple[int, ...]:
 def unsupported(found: InstalledVLLM | None) -> str | None:
     """Why kvkeep cannot run on ``found`` (None: it can). The message says what to install."""
     series = ".".join(map(str, SUPPORTED_SERIES))
-    install = (f"install vLLM {series} (pip install 'kvkeep[cpu]' on CPU, "
-               f"'kvkeep[cuda]' next to CUDA)")  # fmt: skip
+    install = (
+        f"install vLLM {series} (pip install 'kvkeep[cpu]' on CPU, 'kvkeep[cuda]' next to CUDA)"
+    )
     if found is None:
         return f"no vLLM is installed; {install}"
     if release(found.version)[:2] != SUPPORTED_SERIES:

@@ -207,8 +207,11 @@ def write_weights(path: Path, spec: TinyModelSpec) -> None:
     offset = 0
     for name in sorted(shapes):
         size = 2 * int(np.prod(shapes[name]))
-        header[name] = {"dtype": "BF16", "shape": list(shapes[name]),
-                        "data_offsets": [offset, offset + size]}  # fmt: skip
+        header[name] = {
+            "dtype": "BF16",
+            "shape": list(shapes[name]),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     head = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
@@ -303,8 +306,12 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tiny", help="write a tiny Llama-style model (config, tokenizer, weights)")
     t.add_argument("dir", type=Path, help="output directory")
     d = TinyModelSpec()
-    t.add_argument("--layers", type=int, default=None,
-                   help=f"default {d.layers} ({HYBRID_LAYERS} for --arch gemma3)")  # fmt: skip
+    t.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help=f"default {d.layers} ({HYBRID_LAYERS} for --arch gemma3)",
+    )
     for field in ("hidden", "heads", "kv_heads", "head_dim", "vocab", "intermediate"):
         t.add_argument(f"--{field.replace('_', '-')}", type=int, default=getattr(d, field))
     t.add_argument("--max-positions", type=int, default=d.max_positions)

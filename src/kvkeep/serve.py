@@ -100,13 +100,20 @@ class CacheServerConfig:
     def command(self) -> list[str]:
         """The argv that runs this server in the foreground. Pure."""
         return [
-            sys.executable, "-m", "kvkeep.cli", "server",
-            "--dir", str(self.directory),
-            "--ram", self.ram,
-            "--disk", self.disk,
-            "--socket", self.socket_path,
+            sys.executable,
+            "-m",
+            "kvkeep.cli",
+            "server",
+            "--dir",
+            str(self.directory),
+            "--ram",
+            self.ram,
+            "--disk",
+            self.disk,
+            "--socket",
+            self.socket_path,
             *self.extra_args,
-        ]  # fmt: skip
+        ]
 
 
 def socket_listening(path: str) -> bool:
@@ -151,8 +158,9 @@ class CacheServerProcess:
         while not socket_listening(self.cfg.socket_path):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"kvkeep server did not start; see {self.log_path}:\n"
-                                   + log_tail(self.log_path))  # fmt: skip
+                raise RuntimeError(
+                    f"kvkeep server did not start; see {self.log_path}:\n" + log_tail(self.log_path)
+                )
             time.sleep(0.1)
         return self
 
@@ -278,12 +286,18 @@ def parser() -> argparse.ArgumentParser:
         metavar="URL",
         help="shared tier on Valkey/Redis: valkey://HOST:PORT, redis://..., or a cluster seed list",
     )
-    ap.add_argument("--remote-write", choices=("through", "evict"), default="through",
-                    help="write to the remote tier at once, or when it leaves RAM")  # fmt: skip
+    ap.add_argument(
+        "--remote-write",
+        choices=("through", "evict"),
+        default="through",
+        help="write to the remote tier at once, or when it leaves RAM",
+    )
     ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
-    ap.add_argument("--skip-vllm-check", action="store_true",
-                    help="start even if the installed vLLM is not the one kvkeep was written "
-                    "against")  # fmt: skip
+    ap.add_argument(
+        "--skip-vllm-check",
+        action="store_true",
+        help="start even if the installed vLLM is not the one kvkeep was written against",
+    )
     return ap
 
 
@@ -395,12 +409,14 @@ def engine_env(
     budget = MemoryBudget(available_bytes(), 0 if running else parse_size(cache.ram), weights or 0)
     pool = choose_pool(budget, user)
     how = "chosen by kvkeep serve" if pool.chosen else "yours"
-    print(f"kvkeep serve: RAM tier {format_size(parse_size(cache.ram))}"
-          f"{' (server already running)' if running else ''}, vLLM KV pool {pool.gib} GiB"
-          f" ({how}; {budget.describe()}"
-          f"{'' if weights is not None else ', weights not counted: not a local directory'})"
-          + ("; set VLLM_CPU_KVCACHE_SPACE=GiB or --ram to change" if pool.chosen else ""),
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"kvkeep serve: RAM tier {format_size(parse_size(cache.ram))}"
+        f"{' (server already running)' if running else ''}, vLLM KV pool {pool.gib} GiB"
+        f" ({how}; {budget.describe()}"
+        f"{'' if weights is not None else ', weights not counted: not a local directory'})"
+        + ("; set VLLM_CPU_KVCACHE_SPACE=GiB or --ram to change" if pool.chosen else ""),
+        file=sys.stderr,
+    )
     return pool.env()
 
 

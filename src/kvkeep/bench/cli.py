@@ -49,23 +49,40 @@ class Command:
 
 
 COMMANDS: dict[str, Command] = {
-    "session": Command("the study's 30-turn coding-agent session (S1)", session,
-                       document=session.document),
+    "session": Command(
+        "the study's 30-turn coding-agent session (S1)", session, document=session.document
+    ),
     "ttft": Command("one long prompt cold, then repeated (S2)", ttft, document=ttft.document),
     "capacity": Command("more documents than the device pool (S3)", capacity),
     "agents": Command("N concurrent closed-loop agents (S5)", agents),
     "hol": Command("a cached request beside a large prefill (S6)", hol),
-    "replay": Command("real Claude Code sessions, closed loop (S7)", replay_scenario,
-                      modes="none,vllm,kvkeep"),
-    "restart": Command("hits and TTFT after vLLM and cache restarts (S4)", restart,
-                       modes="vllm,kvkeep"),
-    "all": Command("the study's six experiments and S7 side by side: report.md, report.html, plots",
-                   None, modes="none,vllm,kvkeep"),
-    "soak": Command("agents while the cache and engine are killed", soak, "kvkeep",
-                    compare=False, output=soak.output),
-    "store": Command("cache-server and tier bandwidth", store, "none", compare=False,
-                     launch=False, output=store.output),
-}  # fmt: skip
+    "replay": Command(
+        "real Claude Code sessions, closed loop (S7)", replay_scenario, modes="none,vllm,kvkeep"
+    ),
+    "restart": Command(
+        "hits and TTFT after vLLM and cache restarts (S4)", restart, modes="vllm,kvkeep"
+    ),
+    "all": Command(
+        "the study's six experiments and S7 side by side: report.md, report.html, plots",
+        None,
+        modes="none,vllm,kvkeep",
+    ),
+    "soak": Command(
+        "agents while the cache and engine are killed",
+        soak,
+        "kvkeep",
+        compare=False,
+        output=soak.output,
+    ),
+    "store": Command(
+        "cache-server and tier bandwidth",
+        store,
+        "none",
+        compare=False,
+        launch=False,
+        output=store.output,
+    ),
+}
 
 
 def parse_modes(text: str) -> list[str]:
@@ -73,8 +90,10 @@ def parse_modes(text: str) -> list[str]:
     modes = [m.strip() for m in text.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
-        raise argparse.ArgumentTypeError(f"unknown mode(s) {', '.join(unknown) or '(none given)'}"
-                                         f"; choose from {', '.join(MODES)}")  # fmt: skip
+        raise argparse.ArgumentTypeError(
+            f"unknown mode(s) {', '.join(unknown) or '(none given)'}"
+            f"; choose from {', '.join(MODES)}"
+        )
     return modes
 
 
@@ -213,14 +232,21 @@ def _together(args: argparse.Namespace, say: bool = False) -> bool:
     found = installed_vllm()
     if found is None or not found.is_cpu:
         return False
-    need = engines_gib(len(args.modes), args.model, getattr(args, "kv_pool_gib", 1.0),
-                       parse_size(args.cache_ram) / 2**30)  # fmt: skip
+    need = engines_gib(
+        len(args.modes),
+        args.model,
+        getattr(args, "kv_pool_gib", 1.0),
+        parse_size(args.cache_ram) / 2**30,
+    )
     have = available_gib()
     if have is not None and need > MEMORY_SHARE * have:
         if say:
-            print(f"kvkeep bench: modes run one after another: their engines at once would "
-                  f"take about {need:.0f} GiB of the {have:.0f} GiB available "
-                  f"(--together yes to insist)", file=sys.stderr)  # fmt: skip
+            print(
+                f"kvkeep bench: modes run one after another: their engines at once would "
+                f"take about {need:.0f} GiB of the {have:.0f} GiB available "
+                f"(--together yes to insist)",
+                file=sys.stderr,
+            )
         return False
     return True
 
@@ -280,14 +306,21 @@ def _document(name: str, results: suite.Results, args: argparse.Namespace) -> di
 def _setup_record(args: argparse.Namespace, blocks: int | None) -> dict[str, Any]:
     """What the run deployed, as the results record it."""
     return {
-        "endpoint": args.endpoint, "modes": args.modes, "model": str(args.model),
-        "kv_pool_gib": args.kv_pool_gib, "num_blocks": blocks, "pool_blocks": blocks,
-        "block_size": suite.BLOCK, "cache_ram": args.cache_ram, "cache_disk": args.cache_disk,
-        "reserved_cpus": args.reserved_cpus, "scheduling": getattr(args, "scheduling", None),
+        "endpoint": args.endpoint,
+        "modes": args.modes,
+        "model": str(args.model),
+        "kv_pool_gib": args.kv_pool_gib,
+        "num_blocks": blocks,
+        "pool_blocks": blocks,
+        "block_size": suite.BLOCK,
+        "cache_ram": args.cache_ram,
+        "cache_disk": args.cache_disk,
+        "reserved_cpus": args.reserved_cpus,
+        "scheduling": getattr(args, "scheduling", None),
         "together": _together(args),
         "env": {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(args.reserved_cpus)},
         "mode_descriptions": {m: MODES[m].description for m in args.modes if m in MODES},
-    }  # fmt: skip
+    }
 
 
 def write(doc: dict[str, Any], args: argparse.Namespace, name: str) -> int:
@@ -305,6 +338,9 @@ def write(doc: dict[str, Any], args: argparse.Namespace, name: str) -> int:
         print(f"report: {paths[0]} (and report.html, results.json, {len(paths) - 3} plots)")
     failed = report.errors(doc)
     if failed:
-        print(f"kvkeep bench {name}: {len(failed)} scenario run(s) failed; see the report's "
-              f"first section and the logs in {args.log_dir}", file=sys.stderr)  # fmt: skip
+        print(
+            f"kvkeep bench {name}: {len(failed)} scenario run(s) failed; see the report's "
+            f"first section and the logs in {args.log_dir}",
+            file=sys.stderr,
+        )
     return 1 if failed else 0

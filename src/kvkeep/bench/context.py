@@ -143,8 +143,10 @@ def deployment(mode: str, cfg: LaunchConfig, needs: Needs, setup: Setup) -> Iter
         # slowed one's prefills 4-9x when their requests alternated 0.3 s apart: each engine
         # polls for 1 s after its last step, on the core of the other's forward thread.
         bind = cfg.bind_scheduler and len(sockets) == 1
-        engines = [VLLMServer(replace(cfg, mode=mode, cache_socket=s, bind_scheduler=bind))
-                   for s in sockets]  # fmt: skip
+        engines = [
+            VLLMServer(replace(cfg, mode=mode, cache_socket=s, bind_scheduler=bind))
+            for s in sockets
+        ]
         for engine in engines:
             stack.callback(engine.stop)
         if len(engines) == 1:

@@ -82,8 +82,17 @@ async def run_agents(
             start = time.perf_counter() - t_run
             s = await chat_turn(client, urls[(a + turn.index) % len(urls)], model, turn)
         computed = s.prompt_tokens - s.cached_tokens
-        row = TurnResult(a, turn.index, s.prompt_tokens, s.cached_tokens, computed,
-                         s.output_tokens, s.ttft_s, s.latency_s, start)  # fmt: skip
+        row = TurnResult(
+            a,
+            turn.index,
+            s.prompt_tokens,
+            s.cached_tokens,
+            computed,
+            s.output_tokens,
+            s.ttft_s,
+            s.latency_s,
+            start,
+        )
         results.append(row)
         if progress:
             progress(row)
@@ -113,10 +122,16 @@ def summarize_agents(results: list[TurnResult], wall_s: float, agents: int) -> A
         by_agent.setdefault(r.agent, []).append(r)
     late = [r.latency_s for rows in by_agent.values() for r in rows[-LATE_TURNS:]]
     return AgentsSummary(
-        agents, len(results), wall_s, len(results) / (wall_s / 60),
-        {str(a): len(rows) / (max(r.start_s + r.latency_s for r in rows) / 60)
-         for a, rows in by_agent.items()},
+        agents,
+        len(results),
+        wall_s,
+        len(results) / (wall_s / 60),
+        {
+            str(a): len(rows) / (max(r.start_s + r.latency_s for r in rows) / 60)
+            for a, rows in by_agent.items()
+        },
         {str(a): [r.latency_s for r in rows] for a, rows in by_agent.items()},
-        statistics.fmean(r.latency_s for r in results), statistics.fmean(late),
+        statistics.fmean(r.latency_s for r in results),
+        statistics.fmean(late),
         statistics.fmean(r.ttft_s for r in results),
-    )  # fmt: skip
+    )

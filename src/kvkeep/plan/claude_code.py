@@ -116,9 +116,11 @@ def is_claude_code(path: Path) -> bool:
 
 
 def read_claude_code(
-    path: Path, block_tokens: int = TRACE_BLOCK_TOKENS, vllm_blocks: bool = False,
+    path: Path,
+    block_tokens: int = TRACE_BLOCK_TOKENS,
+    vllm_blocks: bool = False,
     arrival: Arrival = Arrival(),
-) -> BlockTrace:  # fmt: skip
+) -> BlockTrace:
     """One file or a directory of files as one interleaved block trace. Raises TraceError
     naming the file and request that is wrong."""
     if block_tokens % TRACE_BLOCK_TOKENS:
@@ -161,8 +163,10 @@ def load_sessions(files: Sequence[Path], arrival: Arrival = Arrival()) -> list[T
     for index, (file, offset) in enumerate(zip(files, arrival.offsets(len(files)), strict=True)):
         doc = _load(file)
         for start, requests, where in _sessions(doc.get("requests"), offset, f"{file}"):
-            calls = [_call(r, f"{where}[{i}]", requests[i - 1] if i else None)
-                     for i, r in enumerate(requests)]  # fmt: skip
+            calls = [
+                _call(r, f"{where}[{i}]", requests[i - 1] if i else None)
+                for i, r in enumerate(requests)
+            ]
             out.append(TraceSession(index, start, tuple(calls), where))
     return out
 

@@ -253,8 +253,10 @@ def _replay(name: str, modes: dict[str, Any], ctx: _Context) -> list[Row]:
     rows = []
     for mode, result in modes.items():
         if not result.get("pool_blocks"):
-            raise ValueError(f"{name}: mode {mode} records no device pool; run the replay "
-                             "with --num-blocks so the planner knows it")  # fmt: skip
+            raise ValueError(
+                f"{name}: mode {mode} records no device pool; run the replay "
+                "with --num-blocks so the planner knows it"
+            )
         trace = replay_trace(replay, [(int(s), int(i)) for s, i in result["order"]])
         tiers = ctx.tiers(result, result["pool_blocks"], trace)
         rows += _rows(name, {mode: result}, tiers, stack_distances(trace).token_hit_rate)
@@ -268,11 +270,14 @@ def _found(spec: ReplaySpec, note: _Notes) -> ReplaySpec:
     for path in spec.traces:
         shared = DEFAULT_TRACES / path.name
         if not path.exists() and not shared.exists():
-            raise TraceError(f"{note.scenario}: the replayed trace {path} is missing (nor at "
-                             f"{shared}); copy it back, or run beside the shared data")  # fmt: skip
+            raise TraceError(
+                f"{note.scenario}: the replayed trace {path} is missing (nor at "
+                f"{shared}); copy it back, or run beside the shared data"
+            )
         if not path.exists():
-            note.out.append(f"{note.scenario}: {path.name} read from {DEFAULT_TRACES} "
-                            f"({path} is missing)")  # fmt: skip
+            note.out.append(
+                f"{note.scenario}: {path.name} read from {DEFAULT_TRACES} ({path} is missing)"
+            )
         found.append(path if path.exists() else shared)
     return replace(spec, traces=tuple(found))
 

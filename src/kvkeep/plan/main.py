@@ -55,10 +55,15 @@ def parser() -> argparse.ArgumentParser:
         help="default 512 for Mooncake, 64 for Claude Code traces, else 128 (CPU)",
     )
     claude = "Claude Code traces: sessions"
-    src.add_argument("--window", type=float, metavar="S",
-                     help=f"{claude} start uniformly over S seconds")  # fmt: skip
-    src.add_argument("--rate", type=float, metavar="R",
-                     help=f"{claude} arrive as a Poisson process, R per second")  # fmt: skip
+    src.add_argument(
+        "--window", type=float, metavar="S", help=f"{claude} start uniformly over S seconds"
+    )
+    src.add_argument(
+        "--rate",
+        type=float,
+        metavar="R",
+        help=f"{claude} arrive as a Poisson process, R per second",
+    )
     src.add_argument("--seed", type=int, default=0, help="seed of the arrival model")
     src.add_argument(
         "--vllm-blocks",
@@ -116,8 +121,10 @@ def load_trace(args: argparse.Namespace) -> BlockTrace:
         return read_claude_code(args.trace, block, args.vllm_blocks, arrival)
     if args.trace:
         if args.window is not None or args.rate is not None:
-            raise TraceError("--window and --rate interleave Claude Code sessions; "
-                             f"{args.trace} is not a Claude Code trace")  # fmt: skip
+            raise TraceError(
+                "--window and --rate interleave Claude Code sessions; "
+                f"{args.trace} is not a Claude Code trace"
+            )
         block = args.block_tokens or 512
         return read_trace(args.trace, block, args.vllm_blocks, args.mode)
     block = args.block_tokens or 128
@@ -183,9 +190,16 @@ def analyse(args: argparse.Namespace) -> Findings:
     prefill = prefill_model(args)
     estimates, verdicts = _costs(args, trace, sd, tiers, footprint, prefill)
     return Findings(
-        trace, sd, tuple(args.capacity_blocks), footprint, tuple(tiers),
-        tuple(tier_hits(sd, tiers)), prefill, tuple(estimates), tuple(verdicts),
-    )  # fmt: skip
+        trace,
+        sd,
+        tuple(args.capacity_blocks),
+        footprint,
+        tuple(tiers),
+        tuple(tier_hits(sd, tiers)),
+        prefill,
+        tuple(estimates),
+        tuple(verdicts),
+    )
 
 
 def _costs(

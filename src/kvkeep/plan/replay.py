@@ -156,8 +156,10 @@ def _scale(spec: ReplaySpec, session: int, s: TraceSession) -> list[ReplayCall]:
     for i, c in enumerate(s.calls):
         pause = (s.start_s if i == 0 else c.think_s) * spec.time_scale
         tokens = scaled_tokens(c.tokens, spec.block_tokens)
-        output = min(spec.max_output_tokens, max(1, math.ceil(c.output_tokens * spec.block_tokens
-                                                              / TRACE_BLOCK_TOKENS)))  # fmt: skip
+        output = min(
+            spec.max_output_tokens,
+            max(1, math.ceil(c.output_tokens * spec.block_tokens / TRACE_BLOCK_TOKENS)),
+        )
         out.append(ReplayCall(session, i, tokens, output, pause, s.start_s + c.time_s))
     return out
 
@@ -196,16 +198,29 @@ def replay_trace(replay: Replay, order: Order | None = None) -> BlockTrace:
         try:
             call = replay.calls[session][index]
         except IndexError:
-            raise ValueError(f"the recorded order names request {index} of session {session}, "
-                             "which this replay does not have") from None  # fmt: skip
+            raise ValueError(
+                f"the recorded order names request {index} of session {session}, "
+                "which this replay does not have"
+            ) from None
         s = replay.sessions[session]
         ids = s.calls[index].ids
-        blocks = [names.setdefault((s.file, ids[j + k - 1]), len(names))
-                  for j in range(0, len(ids) - k + 1, k)]  # fmt: skip
-        extra = {"time_s": call.trace_time_s, "output_tokens": call.output_tokens,
-                 "stream": session}  # fmt: skip
-        requests.append(make_request(blocks, call.tokens, replay.spec.engine_block_tokens,
-                                     True, **extra))  # fmt: skip
+        blocks = [
+            names.setdefault((s.file, ids[j + k - 1]), len(names))
+            for j in range(0, len(ids) - k + 1, k)
+        ]
+        extra = {
+            "time_s": call.trace_time_s,
+            "output_tokens": call.output_tokens,
+            "stream": session,
+        }
+        requests.append(
+            make_request(blocks, call.tokens, replay.spec.engine_block_tokens, True, **extra)
+        )
     source = f"replay of {len(replay.sessions)} Claude Code sessions, {len(requests)} requests"
-    return BlockTrace(tuple(requests), replay.spec.engine_block_tokens, source, "vllm",
-                      sessions=len(replay.sessions))  # fmt: skip
+    return BlockTrace(
+        tuple(requests),
+        replay.spec.engine_block_tokens,
+        source,
+        "vllm",
+        sessions=len(replay.sessions),
+    )

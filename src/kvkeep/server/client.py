@@ -118,9 +118,13 @@ class KVKeepClient:
         """A new client to the same server with the same settings and its own connection (so
         a background thread's calls never wait for this client's lock). No I/O."""
         return KVKeepClient(
-            self.socket_path, self.address, self.token, self.timeout_s, self.max_backoff_s,
+            self.socket_path,
+            self.address,
+            self.token,
+            self.timeout_s,
+            self.max_backoff_s,
             self.map_arena,
-        )  # fmt: skip
+        )
 
     # --- sessions ----------------------------------------------------------------------------
 

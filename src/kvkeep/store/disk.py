@@ -311,8 +311,11 @@ class DiskTier:
             log.warning(
                 "disk tier %s: filesystem full (%s) at %d bytes used of %d configured; "
                 "evicting the oldest segments to make room (logged once)",
-                self.dir, exc.strerror, self._used, self.config.capacity_bytes,
-            )  # fmt: skip
+                self.dir,
+                exc.strerror,
+                self._used,
+                self.config.capacity_bytes,
+            )
         return self._delete_oldest_segment()
 
     def _tombstone(self, key: StoreKey) -> None:
@@ -396,9 +399,11 @@ class DiskTier:
         if others:
             log.warning(
                 "disk tier %s: deleted %d segments of another record format (this kvkeep "
-                "writes version %d); their blocks will be recomputed", self.dir, len(others),
+                "writes version %d); their blocks will be recomputed",
+                self.dir,
+                len(others),
                 VERSION,
-            )  # fmt: skip
+            )
         return [i for i in ids if i not in others]
 
     def _load_segment(self, segment: _Segment, is_last: bool) -> None:

@@ -87,17 +87,28 @@ class RedisProcess:
     def _command(self) -> list[str]:
         return [
             redis_server_binary(),
-            "--bind", "127.0.0.1",
-            "--port", str(self.port),
-            "--dir", str(self.directory),
-            "--save", "",
-            "--appendonly", "no",
-            "--maxmemory", self.maxmemory,
-            "--maxmemory-policy", "allkeys-lru",
-            "--daemonize", "no",
-            *(["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
-              if self.cluster else []),
-        ]  # fmt: skip
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dir",
+            str(self.directory),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--maxmemory",
+            self.maxmemory,
+            "--maxmemory-policy",
+            "allkeys-lru",
+            "--daemonize",
+            "no",
+            *(
+                ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+                if self.cluster
+                else []
+            ),
+        ]
 
     def ping(self) -> bool:
         """Whether the server answers PING now (0.2 s timeout)."""

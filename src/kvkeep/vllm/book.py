@@ -258,8 +258,9 @@ class RequestBook:
         self._tracked[req_id] = tracked
         if external == 0:
             return None
-        span = range(max(local, self.window_start((local + external) * self.block_size)),
-                     local + external)  # fmt: skip
+        span = range(
+            max(local, self.window_start((local + external) * self.block_size)), local + external
+        )
         blocks = tuple(
             BlockTransfer(block_ids[i], keys[i]) for i in span if self._holds_kv(block_ids[i])
         )

@@ -153,9 +153,12 @@ class KVKeepConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             block_bytes = compat.expected_block_bytes(kv_cache_config)
             self._scheduler = SchedulerSide(
-                vllm_config, kv_cache_config, client, config.async_min_blocks(block_bytes),
+                vllm_config,
+                kv_cache_config,
+                client,
+                config.async_min_blocks(block_bytes),
                 config.sync_when_alone,
-            )  # fmt: skip
+            )
         else:
             staging = None if config.staging_mib is None else int(config.staging_mib * (1 << 20))
             self._workers = [
@@ -249,8 +252,9 @@ class KVKeepConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         worker = self._workers[0]
         try:
-            return KVKeepHandshake(compat.attention_backend(worker.vllm_config,
-                                                            worker.kv_cache_config))  # fmt: skip
+            return KVKeepHandshake(
+                compat.attention_backend(worker.vllm_config, worker.kv_cache_config)
+            )
         except Exception:
             log.exception("kvkeep: no attention backend for the handshake")
             return None

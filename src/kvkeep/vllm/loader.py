@@ -82,8 +82,9 @@ class BlockLoader:
                 # them, so one pass is enough for loads or saves to replace them.
                 corrupt = [s for s in slots[good:] if not self.client.verify(s)]
         except Exception as exc:
-            log.warning("kvkeep: load of %s failed (%d blocks verified): %s", request.req_id,
-                        good, exc)  # fmt: skip
+            log.warning(
+                "kvkeep: load of %s failed (%d blocks verified): %s", request.req_id, good, exc
+            )
             good = 0
         finally:
             self._release(slots, corrupt)

@@ -47,10 +47,13 @@ class SchedulerSide:
         self.hybrid = len(windows) > 1
         threshold = 1 if self.hybrid else load_async_min_blocks
         if self.hybrid and load_async_min_blocks != 1:
-            log.info("kvkeep: %d KV cache groups: every load is asynchronous (vLLM fails a "
-                     "hybrid's loads only as whole requests of asynchronous loads); "
-                     "load_async_min_blocks=%s does not apply", len(windows),
-                     load_async_min_blocks)  # fmt: skip
+            log.info(
+                "kvkeep: %d KV cache groups: every load is asynchronous (vLLM fails a "
+                "hybrid's loads only as whole requests of asynchronous loads); "
+                "load_async_min_blocks=%s does not apply",
+                len(windows),
+                load_async_min_blocks,
+            )
         self.client = client
         self._configs = (vllm_config, kv_cache_config)
         self._threshold, self._windows = threshold, windows
@@ -265,8 +268,9 @@ class SchedulerSide:
         if first >= limit:
             return 0
         book = self.books[group]
-        keys = book.keys_for(request.request_id, compat.request_tokens(request),
-                             compat.request_salt(request))  # fmt: skip
+        keys = book.keys_for(
+            request.request_id, compat.request_tokens(request), compat.request_salt(request)
+        )
         try:
             with self.counters.timed("lookup_rpc_s"):
                 return self.client.lookup(self.sessions[group], keys[first:limit]).num_present
@@ -379,8 +383,10 @@ class SchedulerSide:
             log.exception("kvkeep: could not record finished loads")
             return
         if failed:
-            log.info("kvkeep: asynchronous loads of %d requests failed; vLLM recomputes them",
-                     len(failed))  # fmt: skip
+            log.info(
+                "kvkeep: asynchronous loads of %d requests failed; vLLM recomputes them",
+                len(failed),
+            )
 
     def load_errors(self, block_ids: set[int]) -> None:
         """A step reported failed loads: its saves were dropped; plan them again. The failed
@@ -392,9 +398,13 @@ class SchedulerSide:
             log.exception("kvkeep: could not rewind the save frontiers")
             return
         evicted = self._evict(block_ids)
-        log.info("kvkeep: %d blocks failed to load (%d blocks out of vLLM's prefix cache); "
-                 "%d requests will save again after vLLM recomputes",
-                 len(block_ids), evicted, rewound)  # fmt: skip
+        log.info(
+            "kvkeep: %d blocks failed to load (%d blocks out of vLLM's prefix cache); "
+            "%d requests will save again after vLLM recomputes",
+            len(block_ids),
+            evicted,
+            rewound,
+        )
 
     def _evict(self, block_ids: set[int]) -> int:
         """Rule 2; where the eviction fails, the blocks are held from admissions until their

@@ -160,8 +160,12 @@ class WorkerSide:
         self._failed_this_step = self._failed_this_step or failed > 0
         elapsed = time.perf_counter() - t0
         self._count("load_s", elapsed)
-        log.info("kvkeep: loaded %d blocks (%d failed) in %.1f ms",
-                 sum(r.loaded for r in results), failed, 1e3 * elapsed)  # fmt: skip
+        log.info(
+            "kvkeep: loaded %d blocks (%d failed) in %.1f ms",
+            sum(r.loaded for r in results),
+            failed,
+            1e3 * elapsed,
+        )
         self._maybe_summarize()
 
     def _load_now(self, plan: StepPlan, request: RequestLoad) -> int:
@@ -205,8 +209,12 @@ class WorkerSide:
             return []
         failed = self._note_results(results)
         self._count("async_loads_failed", sum(1 for r in results if r.failed))
-        log.info("kvkeep: %d asynchronous loads finished, %d blocks loaded (%d failed)",
-                 len(results), sum(r.loaded for r in results), failed)  # fmt: skip
+        log.info(
+            "kvkeep: %d asynchronous loads finished, %d blocks loaded (%d failed)",
+            len(results),
+            sum(r.loaded for r in results),
+            failed,
+        )
         return results
 
     def _note_results(self, results: Sequence[LoadResult]) -> int:
@@ -241,8 +249,9 @@ class WorkerSide:
             return
         if failed:
             self._count("saves_dropped", len(plan.saves))
-            log.info("kvkeep: a load failed in this step; not saving its %d new blocks",
-                     len(plan.saves))  # fmt: skip
+            log.info(
+                "kvkeep: a load failed in this step; not saving its %d new blocks", len(plan.saves)
+            )
             return
         self.save(plan)
 
@@ -285,9 +294,14 @@ class WorkerSide:
                 if worst:
                     self._count("audit_mismatches", 1)
                 level = logging.WARNING if worst > AUDIT_DRIFT else logging.INFO
-                log.log(level, "kvkeep audit: block %s (engine block %d): stored copy differs "
-                        "from vLLM's by at most %.4g", slot.key.hex()[:12],
-                        computed_again[slot.key], worst)  # fmt: skip
+                log.log(
+                    level,
+                    "kvkeep audit: block %s (engine block %d): stored copy differs "
+                    "from vLLM's by at most %.4g",
+                    slot.key.hex()[:12],
+                    computed_again[slot.key],
+                    worst,
+                )
         finally:
             self._release(slots)
 

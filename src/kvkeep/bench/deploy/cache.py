@@ -45,9 +45,17 @@ class CacheSpec:
         """`kvkeep server` flags beyond the tier sizes. Pure."""
         if store is None:
             return self.extra_args
-        return ("--remote", store, "--remote-write", self.remote_write,
-                "--remote-rate", self.remote_rate, "--remote-timeout",
-                str(self.remote_timeout_s), *self.extra_args)  # fmt: skip
+        return (
+            "--remote",
+            store,
+            "--remote-write",
+            self.remote_write,
+            "--remote-rate",
+            self.remote_rate,
+            "--remote-timeout",
+            str(self.remote_timeout_s),
+            *self.extra_args,
+        )
 
 
 class CacheServer(CacheServerProcess):

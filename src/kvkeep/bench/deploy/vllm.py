@@ -138,21 +138,30 @@ def _check_real_weights(model: Path, extra_args: Sequence[str]) -> None:
 def build_command(cfg: LaunchConfig, port: int) -> tuple[list[str], dict[str, str]]:
     """The argv and environment that start vLLM for `cfg` on `port`. Pure function."""
     argv = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(cfg.model),
-        "--served-model-name", SERVED_MODEL_NAME,
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(cfg.model),
+        "--served-model-name",
+        SERVED_MODEL_NAME,
         "--enforce-eager",
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        "--max-model-len", str(cfg.max_model_len),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(cfg.max_model_len),
         "--enable-prompt-tokens-details",
         "--disable-uvicorn-access-log",
-        "--seed", "0",
+        "--seed",
+        "0",
         # Agents send tool definitions with tool_choice "auto"; the tiny model's chat template
         # renders tool calls in the Hermes format, so that parser reads them back.
         "--enable-auto-tool-choice",
-        "--tool-call-parser", "hermes",
-    ]  # fmt: skip
+        "--tool-call-parser",
+        "hermes",
+    ]
     if cfg.num_blocks is not None:
         argv += ["--num-gpu-blocks-override", str(cfg.num_blocks)]
     if cfg.max_num_batched_tokens is not None:
@@ -286,11 +295,13 @@ class VLLMServer:
         replies, so an engine that generated its weights (however it was told to: a flag,
         a config file, an environment variable) is stopped here. Raises LaunchError."""
         if loaded_format(self.log_path) == GENERATED_WEIGHTS:
-            raise LaunchError(self._failure(
-                f"vLLM generated the model's weights (load format {GENERATED_WEIGHTS!r}): no "
-                "reply would depend on its context, so no wrong KV block could show; load the "
-                "model's own weights"
-            ))  # fmt: skip
+            raise LaunchError(
+                self._failure(
+                    f"vLLM generated the model's weights (load format {GENERATED_WEIGHTS!r}): no "
+                    "reply would depend on its context, so no wrong KV block could show; load the "
+                    "model's own weights"
+                )
+            )
 
     def _failure(self, why: str) -> str:
         tail = log_tail(self.log_path, LOG_TAIL_LINES)

@@ -70,9 +70,21 @@ def model_summary(model: Path) -> dict[str, Any]:
         cfg = json.loads((model / "config.json").read_text())
     except (OSError, ValueError):
         return {"path": str(model)}
-    keys = ("architectures", "model_type", "num_hidden_layers", "hidden_size",
-            "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "torch_dtype",
-            "dtype", "sliding_window", "sliding_window_pattern", "layer_types")  # fmt: skip
+    keys = (
+        "architectures",
+        "model_type",
+        "num_hidden_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "torch_dtype",
+        "dtype",
+        "sliding_window",
+        "sliding_window_pattern",
+        "layer_types",
+    )
     text = cfg.get("text_config") or {}  # a multimodal config's text model
     return {
         "path": str(model),

@@ -52,14 +52,27 @@ def plot_ttft(doc: dict[str, Any], out: Path) -> list[Path]:
         for mode, r in doc["modes"].items()
         for kind in ("cold_s", "warm_s")
     }
-    return _bar_plot(out / "ttft_by_size.png", [f"{s:,}" for s in sizes], series,
-                     "time to first token (s)", "TTFT: cold vs the same prompt again",
-                     xlabel="prompt tokens", log=True)  # fmt: skip
+    return _bar_plot(
+        out / "ttft_by_size.png",
+        [f"{s:,}" for s in sizes],
+        series,
+        "time to first token (s)",
+        "TTFT: cold vs the same prompt again",
+        xlabel="prompt tokens",
+        log=True,
+    )
 
 
-def _bar_plot(path: Path, labels: list[str], series: dict[str, list[float]], ylabel: str,
-              title: str, stacked: bool = False, xlabel: str = "",
-              log: bool = False) -> list[Path]:  # fmt: skip
+def _bar_plot(
+    path: Path,
+    labels: list[str],
+    series: dict[str, list[float]],
+    ylabel: str,
+    title: str,
+    stacked: bool = False,
+    xlabel: str = "",
+    log: bool = False,
+) -> list[Path]:
     with figure(path, title, xlabel, ylabel) as ax:
         bottom = [0.0] * len(labels)
         width = 0.8 if stacked else 0.8 / max(1, len(series))
@@ -85,8 +98,14 @@ def plot_capacity(doc: dict[str, Any], out: Path) -> list[Path]:
     series = {
         t[: -len("_hit_rate")]: [100 * doc["modes"][m].get(t, 0.0) for m in modes] for t in tiers
     }
-    return _bar_plot(out / "hit_rate_by_tier.png", modes, series, "hit rate (%)",
-                     "S3: hit rate by tier, by mode", stacked=True)  # fmt: skip
+    return _bar_plot(
+        out / "hit_rate_by_tier.png",
+        modes,
+        series,
+        "hit rate (%)",
+        "S3: hit rate by tier, by mode",
+        stacked=True,
+    )
 
 
 def plot_agents(doc: dict[str, Any], out: Path, fit: dict[str, Any] | None = None) -> list[Path]:
@@ -98,8 +117,13 @@ def plot_agents(doc: dict[str, Any], out: Path, fit: dict[str, Any] | None = Non
         ratio = first.get("working_set_over_pool")
         label = "turns/min" if ratio is None else f"working set {ratio:.2f}x pool"
         series[label] = [run["modes"].get(m, {}).get("turns_per_min", 0.0) for m in modes]
-    return _bar_plot(out / "turns_per_min.png", modes, series, "turns per minute",
-                     "S5: agents' turns per minute, by mode")  # fmt: skip
+    return _bar_plot(
+        out / "turns_per_min.png",
+        modes,
+        series,
+        "turns per minute",
+        "S5: agents' turns per minute, by mode",
+    )
 
 
 def plot_restart(doc: dict[str, Any], out: Path) -> list[Path]:
@@ -113,8 +137,13 @@ def plot_restart(doc: dict[str, Any], out: Path) -> list[Path]:
     series = {
         label: [doc["modes"][m].get(key) or 0.0 for m in modes] for label, key in phases.items()
     }
-    return _bar_plot(out / "ttft_after_restart.png", modes, series, "TTFT (s)",
-                     "S4: time to first token around restarts")  # fmt: skip
+    return _bar_plot(
+        out / "ttft_after_restart.png",
+        modes,
+        series,
+        "TTFT (s)",
+        "S4: time to first token around restarts",
+    )
 
 
 def plot_replay(doc: dict[str, Any], out: Path) -> list[Path]:

@@ -10,18 +10,38 @@ from kvkeep.bench.report.plots import figure
 
 def table(doc: dict[str, Any]) -> str:
     """The run's figures as a plain-text table."""
-    keys = ("requests", "failed_requests", "requests_lost_to_engine_restart", "wrong_outputs",
-            "replies_compared", "ties_broken", "max_logprob_diff", "server_kills",
-            "engine_restarts", "ready_faults", "ready_faults_missed", "guard",
-            "live_corruptions", "bytes_flipped", "disk_checksum_failures", "kvkeep_hit_blocks",
-            "kvkeep_loaded_tokens", "kvkeep_load_failed_tokens", "cached_fraction",
-            "latency_p50_s", "latency_p99_s", "rss_growth_mb")  # fmt: skip
+    keys = (
+        "requests",
+        "failed_requests",
+        "requests_lost_to_engine_restart",
+        "wrong_outputs",
+        "replies_compared",
+        "ties_broken",
+        "max_logprob_diff",
+        "server_kills",
+        "engine_restarts",
+        "ready_faults",
+        "ready_faults_missed",
+        "guard",
+        "live_corruptions",
+        "bytes_flipped",
+        "disk_checksum_failures",
+        "kvkeep_hit_blocks",
+        "kvkeep_loaded_tokens",
+        "kvkeep_load_failed_tokens",
+        "cached_fraction",
+        "latency_p50_s",
+        "latency_p99_s",
+        "rss_growth_mb",
+    )
     lines = [f"{k:34} {_fmt(doc[k])}" for k in keys]
     lines.append("")
     lines.append(f"{'t (s)':>8} {'requests':>9} {'cached':>8} {'kvkeep blocks':>14}")
     for w in doc["hit_rate_over_time"]:
-        lines.append(f"{w['t_s']:8.0f} {w['requests']:9d} {w['cached_fraction']:8.3f} "
-                     f"{w['kvkeep_hit_blocks']:14.0f}")  # fmt: skip
+        lines.append(
+            f"{w['t_s']:8.0f} {w['requests']:9d} {w['cached_fraction']:8.3f} "
+            f"{w['kvkeep_hit_blocks']:14.0f}"
+        )
     lines.append("")
     lines.append(f"{'t (s)':>8} {'server MB':>10} {'vLLM MB':>10}")
     for s in doc["rss_over_time"][:: max(1, len(doc["rss_over_time"]) // 12)]:
@@ -55,8 +75,7 @@ def plot(doc: dict[str, Any], path: Path) -> Path:
         top.set_ylabel("cached fraction of prompt")
         rss = doc["rss_over_time"]
         for name in ("server_mb", "vllm_mb"):
-            bottom.plot([s["t_s"] for s in rss], [s[name] or float("nan") for s in rss],
-                        label=name)  # fmt: skip
+            bottom.plot([s["t_s"] for s in rss], [s[name] or float("nan") for s in rss], label=name)
         bottom.set_ylabel("private RSS (MB)")
         bottom.legend()
         for e in doc["events"]:

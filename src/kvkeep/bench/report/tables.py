@@ -77,8 +77,10 @@ SESSION_ROWS: tuple[tuple[str, str, Format, str], ...] = (
 def session_table(doc: dict[str, Any]) -> str:
     """A row per figure, a column per mode (the study's figure beside them)."""
     modes = doc["modes"]
-    rows = [[label, study, *(fmt(modes[m].get(key)) for m in modes)]
-            for key, label, fmt, study in SESSION_ROWS]  # fmt: skip
+    rows = [
+        [label, study, *(fmt(modes[m].get(key)) for m in modes)]
+        for key, label, fmt, study in SESSION_ROWS
+    ]
     spec = doc.get("spec") or {}
     scale = f" at scale {spec['scale']}" if "scale" in spec else ""
     head = f"### S1: a {spec.get('turns', '?')}-turn coding-agent session{scale}\n\n"
@@ -112,10 +114,12 @@ def capacity_table(doc: dict[str, Any]) -> str:
         f"{d.get('k')}x the device pool, in tile order\n\n"
         "Study: device hit rate 0%; CPU offload >99% at 164 ms.\n\n"
     )
-    columns = (Column("hit rate (all tiers)", "hit_rate", _pct),
-               Column("device", "device_hit_rate", _pct),
-               *(Column(t.removesuffix("_hit_rate"), t, _pct) for t in tiers),
-               Column("TTFT", "ttft_s"))  # fmt: skip
+    columns = (
+        Column("hit rate (all tiers)", "hit_rate", _pct),
+        Column("device", "device_hit_rate", _pct),
+        *(Column(t.removesuffix("_hit_rate"), t, _pct) for t in tiers),
+        Column("TTFT", "ttft_s"),
+    )
     return Table(head, columns)(doc)
 
 
@@ -130,20 +134,32 @@ def _agents_head(doc: dict[str, Any]) -> str:
     return f"### S5: {title}\n\n{study}\n\n"
 
 
-agents_table = Table(_agents_head, (
-    Column("turns/min", "turns_per_min", _f1), Column("mean wait", "mean_wait_s"),
-    Column("late-turn wait", "late_turn_wait_s"), Column("cached", "cached_fraction", _pct),
-    Column("working set / pool", "working_set_over_pool", lambda v: f"{v or 0:.2f}"),
-))  # fmt: skip
+agents_table = Table(
+    _agents_head,
+    (
+        Column("turns/min", "turns_per_min", _f1),
+        Column("mean wait", "mean_wait_s"),
+        Column("late-turn wait", "late_turn_wait_s"),
+        Column("cached", "cached_fraction", _pct),
+        Column("working set / pool", "working_set_over_pool", lambda v: f"{v or 0:.2f}"),
+    ),
+)
 
-hol_table = Table("### S6: a cached request alone and beside a large uncached prefill\n\n", (
-    Column("cached alone", "ttft_alone_s"), Column("beside prefill", "ttft_beside_prefill_s"),
-    Column("ratio", "ratio", _x), Column("prefill alone", "long_prefill_alone_s"),
-    Column("beside cached", "long_prefill_ttft_s"), Column("ratio", "long_prefill_ratio", _x),
-    Column("prefill budget", "max_num_batched_tokens", lambda v: str(v or "default")),
-    Column("long-prefill threshold", "long_prefill_token_threshold",
-           lambda v: str(v or "none")),
-))  # fmt: skip
+hol_table = Table(
+    "### S6: a cached request alone and beside a large uncached prefill\n\n",
+    (
+        Column("cached alone", "ttft_alone_s"),
+        Column("beside prefill", "ttft_beside_prefill_s"),
+        Column("ratio", "ratio", _x),
+        Column("prefill alone", "long_prefill_alone_s"),
+        Column("beside cached", "long_prefill_ttft_s"),
+        Column("ratio", "long_prefill_ratio", _x),
+        Column("prefill budget", "max_num_batched_tokens", lambda v: str(v or "default")),
+        Column(
+            "long-prefill threshold", "long_prefill_token_threshold", lambda v: str(v or "none")
+        ),
+    ),
+)
 
 restart_table = Table(
     "### S4: after a restart\n\nStudy: native caching is cold again; LMCache 99.9% hits at "
@@ -151,82 +167,147 @@ restart_table = Table(
     "of its own as the first one did before its warm pass (a new process is slower for its "
     "first requests, hit or not); TTFTs leave out the first document after each restart. "
     "The same documents are then asked again at once: device hits in the same engine, the "
-    "fairest figure to hold the TTFT after the restart against.\n\n", (
-    Column("cold", "cold_ttft_s"), Column("warm", "warm_ttft_s"),
-    Column("hits after vLLM restart", "after_engine_restart_hit_rate", _pct),
-    Column("TTFT", "after_engine_restart_ttft_s"),
-    Column("device hits just after", "after_engine_restart_device_ttft_s"),
-    Column("hits after cache server restart (SIGTERM, SIGKILL)",
-           "after_server_restart_hit_rate", _pct),
-    Column("TTFT", "after_server_sigkill_ttft_s"),
-    Column("vLLM restart to ready", "restart_ready_s"),
-), not_run="without a cache nothing survives")  # fmt: skip
+    "fairest figure to hold the TTFT after the restart against.\n\n",
+    (
+        Column("cold", "cold_ttft_s"),
+        Column("warm", "warm_ttft_s"),
+        Column("hits after vLLM restart", "after_engine_restart_hit_rate", _pct),
+        Column("TTFT", "after_engine_restart_ttft_s"),
+        Column("device hits just after", "after_engine_restart_device_ttft_s"),
+        Column(
+            "hits after cache server restart (SIGTERM, SIGKILL)",
+            "after_server_restart_hit_rate",
+            _pct,
+        ),
+        Column("TTFT", "after_server_sigkill_ttft_s"),
+        Column("vLLM restart to ready", "restart_ready_s"),
+    ),
+    not_run="without a cache nothing survives",
+)
 
-replicas_table = Table("### Agents over replicas, turns routed round-robin\n\n", (
-    Column("turns/min", "turns_per_min", _f1), Column("hit rate", "hit_rate", _pct),
-    Column("device", "device_hit_rate", _pct), Column("remote", "remote_hit_rate", _pct),
-    Column("mean TTFT", "mean_ttft_s"),
-), first="store")  # fmt: skip
+replicas_table = Table(
+    "### Agents over replicas, turns routed round-robin\n\n",
+    (
+        Column("turns/min", "turns_per_min", _f1),
+        Column("hit rate", "hit_rate", _pct),
+        Column("device", "device_hit_rate", _pct),
+        Column("remote", "remote_hit_rate", _pct),
+        Column("mean TTFT", "mean_ttft_s"),
+    ),
+    first="store",
+)
 
 remote_restart_table = Table(
-    "### A host lost and replaced: TTFT cold, from kvkeep RAM, from the remote tier\n\n", (
-    Column("cold", "cold_ttft_s"), Column("RAM hit", "ram_ttft_s"),
-    Column("remote hit", "remote_ttft_s"), Column("remote hit rate", "remote_hit_rate", _pct),
-    Column("KV bytes/token", "kv_bytes_per_token", _fmt("{}", str)),
-))  # fmt: skip
+    "### A host lost and replaced: TTFT cold, from kvkeep RAM, from the remote tier\n\n",
+    (
+        Column("cold", "cold_ttft_s"),
+        Column("RAM hit", "ram_ttft_s"),
+        Column("remote hit", "remote_ttft_s"),
+        Column("remote hit rate", "remote_hit_rate", _pct),
+        Column("KV bytes/token", "kv_bytes_per_token", _fmt("{}", str)),
+    ),
+)
 
 
 def _replay_head(doc: dict[str, Any]) -> str:
     d = _first(doc)
     spec, ratio = d.get("spec") or {}, d.get("working_set_over_pool")
     pool = f", working set {ratio:.1f}x the device pool" if ratio else ""
-    return (f"### S7: {d.get('sessions', '?')} real Claude Code sessions, closed loop{pool}\n\n"
-            f"{spec.get('block_tokens', '?')} tokens per 64-token trace block; pauses x "
-            f"{spec.get('time_scale', '?')}; {d.get('requests', '?')} requests.\n\n")  # fmt: skip
+    return (
+        f"### S7: {d.get('sessions', '?')} real Claude Code sessions, closed loop{pool}\n\n"
+        f"{spec.get('block_tokens', '?')} tokens per 64-token trace block; pauses x "
+        f"{spec.get('time_scale', '?')}; {d.get('requests', '?')} requests.\n\n"
+    )
 
 
-replay_table = Table(_replay_head, (
-    Column("prompt tokens", "prompt_tokens", _int),
-    Column("cached: device", "device_cached_tokens", _int),
-    Column("cached: kvkeep", "kvkeep_cached_tokens", _int),
-    Column("computed", "computed_tokens", _int), Column("hit rate", "hit_rate", _pct),
-    Column("TTFT p50", "ttft_p50_s"), Column("p90", "ttft_p90_s"), Column("p99", "ttft_p99_s"),
-    Column("requests/min", "requests_per_min", _f1),
-    Column("session wall", "session_wall_s_mean"),
-))  # fmt: skip
+replay_table = Table(
+    _replay_head,
+    (
+        Column("prompt tokens", "prompt_tokens", _int),
+        Column("cached: device", "device_cached_tokens", _int),
+        Column("cached: kvkeep", "kvkeep_cached_tokens", _int),
+        Column("computed", "computed_tokens", _int),
+        Column("hit rate", "hit_rate", _pct),
+        Column("TTFT p50", "ttft_p50_s"),
+        Column("p90", "ttft_p90_s"),
+        Column("p99", "ttft_p99_s"),
+        Column("requests/min", "requests_per_min", _f1),
+        Column("session wall", "session_wall_s_mean"),
+    ),
+)
 
 # (claim, the study's figure, scenario, key path in its result, format)
 CLAIMS: tuple[tuple[str, str, str, tuple[str, ...], Format], ...] = (
-    ("S1 last turn: tokens computed", "115k -> <=10k", "session",
-     ("last_turn_computed_tokens",), _int),
-    ("S1 session: tokens computed in total", ">2M -> ~145k", "session",
-     ("total_computed_tokens",), _int),
+    (
+        "S1 last turn: tokens computed",
+        "115k -> <=10k",
+        "session",
+        ("last_turn_computed_tokens",),
+        _int,
+    ),
+    (
+        "S1 session: tokens computed in total",
+        ">2M -> ~145k",
+        "session",
+        ("total_computed_tokens",),
+        _int,
+    ),
     ("S1 prompt / computed", "14x", "session", ("reread_ratio",), _x),
-    ("S2 TTFT, {big:,}-token prompt again", "1.35 s -> ~120 ms", "ttft",
-     ("sizes", "{big}", "warm_s"), _s),
+    (
+        "S2 TTFT, {big:,}-token prompt again",
+        "1.35 s -> ~120 ms",
+        "ttft",
+        ("sizes", "{big}", "warm_s"),
+        _s,
+    ),
     ("S3 device hit rate, docs 4x pool", "0%", "capacity", ("device_hit_rate",), _pct),
     ("S3 hit rate, all tiers", ">99% (offload)", "capacity", ("hit_rate",), _pct),
     ("S3 TTFT", "164 ms", "capacity", ("ttft_s",), _s),
-    ("S4 hit rate after vLLM restart", "0% native, 99.9% LMCache", "restart",
-     ("after_engine_restart_hit_rate",), _pct),
-    ("S4 TTFT after vLLM restart", "141 ms (LMCache)", "restart",
-     ("after_engine_restart_ttft_s",), _s),
-    ("S4 hit rate after cache-server restart", "(not measured)", "restart",
-     ("after_server_restart_hit_rate",), _pct),
+    (
+        "S4 hit rate after vLLM restart",
+        "0% native, 99.9% LMCache",
+        "restart",
+        ("after_engine_restart_hit_rate",),
+        _pct,
+    ),
+    (
+        "S4 TTFT after vLLM restart",
+        "141 ms (LMCache)",
+        "restart",
+        ("after_engine_restart_ttft_s",),
+        _s,
+    ),
+    (
+        "S4 hit rate after cache-server restart",
+        "(not measured)",
+        "restart",
+        ("after_server_restart_hit_rate",),
+        _pct,
+    ),
     ("S4 vLLM restart to ready", "+20-30 s with LMCache", "restart", ("restart_ready_s",), _s),
     ("S5 turns/min, agents > pool", "~8 -> ~60", "agents", ("turns_per_min",), _f1),
     ("S5 late-turn wait", "104 s -> 2.1 s", "agents", ("late_turn_wait_s",), _s),
     ("S6 cached TTFT beside a big prefill / alone", "'still waits'", "hol", ("ratio",), _x),
-    ("S6 the big prefill's TTFT beside it / alone", "(not measured)", "hol",
-     ("long_prefill_ratio",), _x),
+    (
+        "S6 the big prefill's TTFT beside it / alone",
+        "(not measured)",
+        "hol",
+        ("long_prefill_ratio",),
+        _x,
+    ),
     # S7's "study" figures quote issue 15's LRU simulation of 40 real sessions (94% with
     # 3.2M tokens of room, 17% with 320k), not a measurement.
-    ("S7 real coding-agent sessions: hit rate", "94% with room, 17% without", "replay",
-     ("hit_rate",), _pct),
+    (
+        "S7 real coding-agent sessions: hit rate",
+        "94% with room, 17% without",
+        "replay",
+        ("hit_rate",),
+        _pct,
+    ),
     ("S7 device hit rate (working set >= 3x pool)", "-", "replay", ("device_hit_rate",), _pct),
     ("S7 TTFT p50", "-", "replay", ("ttft_p50_s",), _s),
     ("S7 TTFT p99", "-", "replay", ("ttft_p99_s",), _s),
-)  # fmt: skip
+)
 
 
 def _get(node: Any, path: Iterable[str]) -> Any:
@@ -244,11 +325,16 @@ def claims_table(doc: dict[str, Any]) -> str:
     sizes = [int(s) for m in modes for s in _get(docs, ("ttft", "modes", m, "sizes")) or {}]
     big = max(sizes, default=0)
     rows = [
-        [claim.format(big=big), study,
-         *(fmt(_get(docs, (name, "modes", m, *(p.format(big=big) for p in path))))
-           for m in modes)]
+        [
+            claim.format(big=big),
+            study,
+            *(
+                fmt(_get(docs, (name, "modes", m, *(p.format(big=big) for p in path))))
+                for m in modes
+            ),
+        ]
         for claim, study, name, path, fmt in CLAIMS
-    ]  # fmt: skip
+    ]
     head = "## The study's claims, measured side by side\n\n"
     return head + _table(["claim", "study", *modes], rows)
 
@@ -268,8 +354,13 @@ TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
 
 
 # The connector's phases (`vllm:kvkeep_seconds_total{op=...}`), then its whole load and save.
-PROFILE_OPS = (*(name.removesuffix("_s") for name in PROFILE_NAMES), "load", "save",
-               "server_cpu", "server_rpc_cpu")  # fmt: skip
+PROFILE_OPS = (
+    *(name.removesuffix("_s") for name in PROFILE_NAMES),
+    "load",
+    "save",
+    "server_cpu",
+    "server_rpc_cpu",
+)
 
 
 def profile_table(doc: dict[str, Any]) -> str:
@@ -282,11 +373,15 @@ def profile_table(doc: dict[str, Any]) -> str:
             if not prof or not any(prof.get(op) for op in PROFILE_OPS):
                 continue
             n = max(prof.get("requests", 0.0), 1.0)
-            cells = [f"{1e3 * prof.get(op, 0.0):.0f} / {1e3 * prof.get(op, 0.0) / n:.1f}"
-                     for op in PROFILE_OPS]  # fmt: skip
+            cells = [
+                f"{1e3 * prof.get(op, 0.0):.0f} / {1e3 * prof.get(op, 0.0) / n:.1f}"
+                for op in PROFILE_OPS
+            ]
             rows.append([name, mode, _int(prof.get("requests")), *cells])
-    head = ("### Connector profile (ms in total / ms per request; `load` and `save` are the "
-            "worker's whole step phases, the others their parts; `saver_cpu` is the saver "
-            "thread's CPU time, `server_cpu` the cache server's, `server_rpc_cpu` the part "
-            "of it that answered requests)\n\n")  # fmt: skip
+    head = (
+        "### Connector profile (ms in total / ms per request; `load` and `save` are the "
+        "worker's whole step phases, the others their parts; `saver_cpu` is the saver "
+        "thread's CPU time, `server_cpu` the cache server's, `server_rpc_cpu` the part "
+        "of it that answered requests)\n\n"
+    )
     return head + _table(["scenario", "mode", "requests", *PROFILE_OPS], rows)

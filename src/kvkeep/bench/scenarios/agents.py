@@ -83,9 +83,13 @@ class AgentsScenario:
     def needs(self) -> Needs:
         if self.replicas == 1:
             return Needs(tokens=session.session_tokens(self.spec))
-        return Needs(tokens=session.session_tokens(self.spec), modes=("kvkeep",),
-                     own_engine=True, replicas=self.replicas,
-                     shared_store=self.shared_store)  # fmt: skip
+        return Needs(
+            tokens=session.session_tokens(self.spec),
+            modes=("kvkeep",),
+            own_engine=True,
+            replicas=self.replicas,
+            shared_store=self.shared_store,
+        )
 
     def run(self, ctx: RunContext) -> AgentsResult | ReplicasResult:
         if self.agents < 1 or self.replicas < 1:
@@ -94,8 +98,9 @@ class AgentsScenario:
         probes = [ctx.probe(i) for i in range(len(ctx.urls))]
         before = [p.snapshot() for p in probes]
         t0 = time.perf_counter()
-        with tqdm(total=sum(map(len, sessions)), desc=f"  {self.agents} agents' turns",
-                  leave=False) as bar:  # fmt: skip
+        with tqdm(
+            total=sum(map(len, sessions)), desc=f"  {self.agents} agents' turns", leave=False
+        ) as bar:
             results = asyncio.run(
                 run_agents(ctx.urls, sessions, self.tool_delay_s, lambda _: bar.update())
             )
@@ -107,9 +112,17 @@ class AgentsScenario:
             return ReplicasResult(summary, rates, self.replicas, self.shared_store)
         working_set, pool = self.agents * self.spec.final_target, self.pool_tokens
         fit = PoolFit(working_set / pool, pool // self.block_size) if pool else None
-        return AgentsResult(summary, rates, sum(r.cached_tokens for r in results) / prompt,
-                            working_set, self.tool_delay_s, self.spec, self.block_size, prompt,
-                            fit)  # fmt: skip
+        return AgentsResult(
+            summary,
+            rates,
+            sum(r.cached_tokens for r in results) / prompt,
+            working_set,
+            self.tool_delay_s,
+            self.spec,
+            self.block_size,
+            prompt,
+            fit,
+        )
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -127,8 +140,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="with --replicas: the shared Valkey/Redis (default: a private one)",
     )
-    p.add_argument("--no-shared-store", action="store_true",
-                   help="with --replicas: no shared tier, for comparison")  # fmt: skip
+    p.add_argument(
+        "--no-shared-store",
+        action="store_true",
+        help="with --replicas: no shared tier, for comparison",
+    )
     p.set_defaults(scale=0.05)
 
 

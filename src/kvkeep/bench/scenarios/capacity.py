@@ -130,30 +130,52 @@ class CapacityScenario:
         measured = rounds[1:]
         return CapacityResult(
             mean_rates([(r.rates, r.cacheable_tokens) for r in measured]),
-            statistics.fmean(r.ttft_s for r in measured), rounds, len(docs), spec.doc_tokens,
-            spec.pool_blocks, spec.k, len(measured), QUESTION_TOKENS, spec.block_size,
+            statistics.fmean(r.ttft_s for r in measured),
+            rounds,
+            len(docs),
+            spec.doc_tokens,
+            spec.pool_blocks,
+            spec.k,
+            len(measured),
+            QUESTION_TOKENS,
+            spec.block_size,
             spec.doc_blocks,
-        )  # fmt: skip
+        )
 
     def _round(self, probe: Probe, docs: list[list[int]], r: int, bar: tqdm) -> CapacityRound:
         t0 = time.perf_counter()
         q = query(probe, docs, self.spec.block_size, salt=r, progress=bar.update)
-        return CapacityRound(r, q.rates, q.ttft_s, statistics.median(q.ttfts_s), q.cacheable,
-                             time.perf_counter() - t0)  # fmt: skip
+        return CapacityRound(
+            r,
+            q.rates,
+            q.ttft_s,
+            statistics.median(q.ttfts_s),
+            q.cacheable,
+            time.perf_counter() - t0,
+        )
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     d = CapacitySpec()
-    p.add_argument("--pool-blocks", type=int, default=d.pool_blocks,
-                   help="device KV pool in blocks (--num-gpu-blocks-override)")  # fmt: skip
+    p.add_argument(
+        "--pool-blocks",
+        type=int,
+        default=d.pool_blocks,
+        help="device KV pool in blocks (--num-gpu-blocks-override)",
+    )
     p.add_argument("-k", type=float, default=d.k, help="documents total k times the pool")
     p.add_argument("--doc-tokens", type=int, default=d.doc_tokens)
     p.add_argument("--rounds", type=int, default=d.rounds)
-    p.add_argument("--block-size", type=int, default=d.block_size)  # fmt: skip
+    p.add_argument("--block-size", type=int, default=d.block_size)
 
 
 def build(args: argparse.Namespace) -> list[CapacityScenario]:
-    spec = CapacitySpec(pool_blocks=args.pool_blocks, k=args.k, doc_tokens=args.doc_tokens,
-                        rounds=args.rounds, block_size=args.block_size)  # fmt: skip
+    spec = CapacitySpec(
+        pool_blocks=args.pool_blocks,
+        k=args.k,
+        doc_tokens=args.doc_tokens,
+        rounds=args.rounds,
+        block_size=args.block_size,
+    )
     spec.validate()
     return [CapacityScenario(spec)]

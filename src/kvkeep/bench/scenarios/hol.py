@@ -71,8 +71,9 @@ class HOLScenario:
 
     def needs(self) -> Needs:
         if self.vllm_defaults:
-            return Needs(tokens=self.long_tokens + 64, modes=("vllm",), scheduling="vllm",
-                         turns=True)  # fmt: skip
+            return Needs(
+                tokens=self.long_tokens + 64, modes=("vllm",), scheduling="vllm", turns=True
+            )
         return Needs(tokens=self.long_tokens + 64, max_num_batched_tokens=self.budget, turns=True)
 
     def run(self, ctx: RunContext) -> HOLResult:
@@ -143,14 +144,20 @@ def _scheduling(ctx: RunContext) -> list[int | None]:
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--short-tokens", type=int, default=1024)
     p.add_argument("--long-tokens", type=int, default=16384)
-    p.add_argument("--budgets", type=parse_sizes, default=None,
-                   help="--max-num-batched-tokens values (default: vLLM's)")  # fmt: skip
+    p.add_argument(
+        "--budgets",
+        type=parse_sizes,
+        default=None,
+        help="--max-num-batched-tokens values (default: vLLM's)",
+    )
 
 
 def build(args: argparse.Namespace) -> list[HOLScenario]:
     if args.budgets:
-        out = [HOLScenario(args.short_tokens, args.long_tokens, budget=b, name=f"hol@{b}")
-               for b in args.budgets]  # fmt: skip
+        out = [
+            HOLScenario(args.short_tokens, args.long_tokens, budget=b, name=f"hol@{b}")
+            for b in args.budgets
+        ]
     else:
         out = [HOLScenario(args.short_tokens, args.long_tokens, budget=args.max_num_batched_tokens)]
     if args.scheduling == "kvkeep" and "vllm" in args.modes and not args.endpoint:

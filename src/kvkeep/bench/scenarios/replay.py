@@ -123,14 +123,25 @@ async def _replay(url: str, replay: Replay, probe: Probe) -> tuple[list[TurnResu
         prompt = replay.prompt_ids(call.session, call.turn)
         start = time.perf_counter() - t_run
         s = await complete_ids(client, url, model, prompt, call.output_tokens)
-        rows.append(TurnResult(call.session, call.turn, s.prompt_tokens, s.cached_tokens,
-                               s.prompt_tokens - s.cached_tokens, s.output_tokens, s.ttft_s,
-                               s.latency_s, start))  # fmt: skip
+        rows.append(
+            TurnResult(
+                call.session,
+                call.turn,
+                s.prompt_tokens,
+                s.cached_tokens,
+                s.prompt_tokens - s.cached_tokens,
+                s.output_tokens,
+                s.ttft_s,
+                s.latency_s,
+                start,
+            )
+        )
         bar.update()
 
     samples: list[Sample] = []
-    with tqdm(total=replay.requests, desc=f"  {len(replay.sessions)} sessions' requests",
-              leave=False) as bar:  # fmt: skip
+    with tqdm(
+        total=replay.requests, desc=f"  {len(replay.sessions)} sessions' requests", leave=False
+    ) as bar:
         sampler = asyncio.create_task(_sample(probe, t_run, samples))
         try:
             await agent_loop(replay.calls, step)
@@ -167,21 +178,33 @@ def summarize(
     walls = _session_walls(rows)
     working = replay_trace(replay).distinct_blocks() * block
     return ReplayResult(
-        hit_rate=split.hit_rate, device_hit_rate=split.device_hit_rate,
-        kvkeep_hit_rate=split.external_hit_rate, tier_hit_rates=tiers, prompt_tokens=prompt,
+        hit_rate=split.hit_rate,
+        device_hit_rate=split.device_hit_rate,
+        kvkeep_hit_rate=split.external_hit_rate,
+        tier_hit_rates=tiers,
+        prompt_tokens=prompt,
         device_cached_tokens=round(split.device_hit_rate * prompt),
         kvkeep_cached_tokens=round(split.external_hit_rate * prompt),
         computed_tokens=sum(r.computed_tokens for r in rows),
         reported_hit_rate=sum(r.cached_tokens for r in rows) / max(1, prompt),
-        ttft_p50_s=percentile(ttfts, 0.5), ttft_p90_s=percentile(ttfts, 0.9),
-        ttft_p99_s=percentile(ttfts, 0.99), requests=len(rows),
-        requests_per_min=len(rows) / (wall_s / 60), wall_s=wall_s,
-        session_wall_s_mean=sum(walls) / max(1, len(walls)), session_wall_s_max=max(walls),
-        sessions=len(replay.sessions), working_set_tokens=working, pool_blocks=pool,
-        working_set_over_pool=working / (pool * block) if pool else None, block_size=block,
-        ttfts_s=ttfts, timeline=timeline(samples), order=[[r.agent, r.turn] for r in rows],
+        ttft_p50_s=percentile(ttfts, 0.5),
+        ttft_p90_s=percentile(ttfts, 0.9),
+        ttft_p99_s=percentile(ttfts, 0.99),
+        requests=len(rows),
+        requests_per_min=len(rows) / (wall_s / 60),
+        wall_s=wall_s,
+        session_wall_s_mean=sum(walls) / max(1, len(walls)),
+        session_wall_s_max=max(walls),
+        sessions=len(replay.sessions),
+        working_set_tokens=working,
+        pool_blocks=pool,
+        working_set_over_pool=working / (pool * block) if pool else None,
+        block_size=block,
+        ttfts_s=ttfts,
+        timeline=timeline(samples),
+        order=[[r.agent, r.turn] for r in rows],
         spec=replay.spec.record(),
-    )  # fmt: skip
+    )
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -213,8 +236,13 @@ def timeline(samples: Sequence[Sample]) -> list[dict[str, float]]:
         queries = diff.vllm.get("vllm:prefix_cache_queries_total", 0.0)
         if queries > 0:
             rates = hit_split(diff, int(queries))
-            out.append({"t_s": t, "device_hit_rate": rates.device_hit_rate,
-                        "kvkeep_hit_rate": rates.external_hit_rate})  # fmt: skip
+            out.append(
+                {
+                    "t_s": t,
+                    "device_hit_rate": rates.device_hit_rate,
+                    "kvkeep_hit_rate": rates.external_hit_rate,
+                }
+            )
     return out
 
 
@@ -253,10 +281,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def build(args: argparse.Namespace) -> list[ReplayScenario]:
     """The scenario; its sessions are read now, so a bad trace is an error (exit 2) at once."""
-    spec = ReplaySpec(traces=tuple(args.traces), sessions=args.sessions,
-                      block_tokens=args.block_tokens, window_s=args.window, seed=args.seed,
-                      time_scale=args.time_scale, max_output_tokens=args.max_output_tokens,
-                      max_requests=args.max_requests)  # fmt: skip
+    spec = ReplaySpec(
+        traces=tuple(args.traces),
+        sessions=args.sessions,
+        block_tokens=args.block_tokens,
+        window_s=args.window,
+        seed=args.seed,
+        time_scale=args.time_scale,
+        max_output_tokens=args.max_output_tokens,
+        max_requests=args.max_requests,
+    )
     scenario = ReplayScenario(spec)
     _ = scenario.replay
     return [scenario]

@@ -94,22 +94,29 @@ class RestartResult:
     restart_ready_samples_s: list[float] = field(default_factory=list)
 
 
-def summarize(first_ready_s: float | None, restart_ready_s: Sequence[float],
-              phases: dict[str, Queried]) -> RestartResult:  # fmt: skip
+def summarize(
+    first_ready_s: float | None, restart_ready_s: Sequence[float], phases: dict[str, Queried]
+) -> RestartResult:
     def get(phase: str, figure: str) -> float | None:
         return getattr(phases[phase], figure, None) if phase in phases else None
 
     hits = [get(f"after_server_{how}", "hit_rate") for how in SERVER_RESTARTS]
     return RestartResult(
-        get("warmup", "ttft_s"), get("warm", "ttft_s"), statistics.median(restart_ready_s),
+        get("warmup", "ttft_s"),
+        get("warm", "ttft_s"),
+        statistics.median(restart_ready_s),
         first_ready_s,
-        get("after_engine_restart", "hit_rate"), get("after_engine_restart", "ttft_s"),
+        get("after_engine_restart", "hit_rate"),
+        get("after_engine_restart", "ttft_s"),
         get("after_engine_restart", "device_ttft_s"),
-        hits[0], get("after_server_sigterm", "ttft_s"),
-        hits[1], get("after_server_sigkill", "ttft_s"),
-        None if None in hits else min(h for h in hits if h is not None), phases,
+        hits[0],
+        get("after_server_sigterm", "ttft_s"),
+        hits[1],
+        get("after_server_sigkill", "ttft_s"),
+        None if None in hits else min(h for h in hits if h is not None),
+        phases,
         list(restart_ready_s),
-    )  # fmt: skip
+    )
 
 
 SERVER_RESTARTS = ("sigterm", "sigkill")
@@ -121,8 +128,13 @@ class RestartScenario:
     name: str = "restart"
 
     def needs(self) -> Needs:
-        return Needs(tokens=self.spec.tokens, modes=("vllm", "kvkeep"), own_engine=True,
-                     num_blocks=self.spec.pool_blocks, turns=True)  # fmt: skip
+        return Needs(
+            tokens=self.spec.tokens,
+            modes=("vllm", "kvkeep"),
+            own_engine=True,
+            num_blocks=self.spec.pool_blocks,
+            turns=True,
+        )
 
     def run(self, ctx: RunContext) -> RestartResult:
         """The whole sequence on the context's engine (and cache server), restarting both;
@@ -170,8 +182,15 @@ class RestartScenario:
         canary, rest = self._query(ctx, docs[:1]), self._query(ctx, docs[1:])
         again = query(ctx.probe(), docs[1:], self.spec.block_size, salt=1)
         rates = mean_rates([(canary.rates, canary.cacheable), (rest.rates, rest.cacheable)])
-        return Requeried(rates, rest.ttft_s, rest.ttfts_s, rest.cacheable, canary.ttft_s,
-                         warm.ttft_s if warm else None, again.ttft_s)  # fmt: skip
+        return Requeried(
+            rates,
+            rest.ttft_s,
+            rest.ttfts_s,
+            rest.cacheable,
+            canary.ttft_s,
+            warm.ttft_s if warm else None,
+            again.ttft_s,
+        )
 
 
 @dataclass(frozen=True)
@@ -202,8 +221,7 @@ class RemoteRestartScenario:
     name: str = "restart_remote"
 
     def needs(self) -> Needs:
-        return Needs(tokens=self.spec.tokens, modes=("kvkeep",), own_engine=True,
-                     shared_store=True)  # fmt: skip
+        return Needs(tokens=self.spec.tokens, modes=("kvkeep",), own_engine=True, shared_store=True)
 
     def run(self, ctx: RunContext) -> RemoteRestartResult:
         docs = self.spec.documents("remote")
@@ -214,12 +232,20 @@ class RemoteRestartScenario:
         ctx.engine.restart()
         remote, ram_b, b_remote = self._host(ctx, docs, wait_sent=False)
         return RemoteRestartResult(
-            cold.ttft_s, ram.ttft_s, remote.ttft_s, ram_b.ttft_s, self.spec.doc_tokens,
-            int(bytes_per_token), remote.rates.get("remote_hit_rate"),
-            ram.rates.get("ram_hit_rate"), b_remote["errors"], b_remote["checksum_failures"],
-            a_remote["bytes_in"], a_remote["dropped_puts"],
+            cold.ttft_s,
+            ram.ttft_s,
+            remote.ttft_s,
+            ram_b.ttft_s,
+            self.spec.doc_tokens,
+            int(bytes_per_token),
+            remote.rates.get("remote_hit_rate"),
+            ram.rates.get("ram_hit_rate"),
+            b_remote["errors"],
+            b_remote["checksum_failures"],
+            a_remote["bytes_in"],
+            a_remote["dropped_puts"],
             {"cold": cold, "ram": ram, "remote": remote, "ram_after_remote": ram_b},
-        )  # fmt: skip
+        )
 
     def _host(
         self, ctx: RunContext, docs: list[list[int]], wait_sent: bool
@@ -240,11 +266,20 @@ def add_args(p: argparse.ArgumentParser) -> None:
     d = RestartSpec()
     p.add_argument("--docs", type=int, default=d.docs)
     p.add_argument("--doc-tokens", type=int, default=d.doc_tokens)
-    p.add_argument("--restarts", type=int, default=d.restarts,
-                   help="vLLM restarts; restart_ready_s is their median")  # fmt: skip
-    p.add_argument("--remote", nargs="?", const="", metavar="URL",
-                   help="S4 through a shared Valkey/Redis: host A is lost, host B takes over "
-                        "(no URL: a private redis-server)")  # fmt: skip
+    p.add_argument(
+        "--restarts",
+        type=int,
+        default=d.restarts,
+        help="vLLM restarts; restart_ready_s is their median",
+    )
+    p.add_argument(
+        "--remote",
+        nargs="?",
+        const="",
+        metavar="URL",
+        help="S4 through a shared Valkey/Redis: host A is lost, host B takes over "
+        "(no URL: a private redis-server)",
+    )
     p.set_defaults(modes=["none", "vllm", "kvkeep"])
 
 

@@ -39,10 +39,12 @@ class SessionScenario:
         """The turns back to back; each turn is a unit where modes take turns."""
         turns = SessionGenerator(self.spec, self.counter).turns()
         before = vllm_counters(ctx.url)
-        with tqdm(total=len(turns), desc=f"  session turns ({ctx.mode})", unit="turn",
-                  leave=False) as bar:  # fmt: skip
-            results = asyncio.run(run_agents([ctx.url], [turns], progress=lambda _: bar.update(),
-                                             unit=ctx.aturn))  # fmt: skip
+        with tqdm(
+            total=len(turns), desc=f"  session turns ({ctx.mode})", unit="turn", leave=False
+        ) as bar:
+            results = asyncio.run(
+                run_agents([ctx.url], [turns], progress=lambda _: bar.update(), unit=ctx.aturn)
+            )
         return summarize_session(results, metrics_delta(before, vllm_counters(ctx.url)))
 
 
@@ -70,11 +72,19 @@ def summarize_session(results: Sequence[TurnResult], metrics: dict[str, float]) 
     computed = sum(r.computed_tokens for r in rows)
     turns = [{k: v for k, v in asdict(r).items() if k not in ("agent", "start_s")} for r in rows]
     return SessionResult(
-        turns, prompt, prompt - computed, computed, rows[-1].prompt_tokens,
-        rows[-1].computed_tokens, max(r.computed_tokens for r in rows),
-        prompt / computed if computed else None, statistics.fmean(r.ttft_s for r in rows),
-        rows[-1].ttft_s, sum(r.latency_s for r in rows), metrics,
-    )  # fmt: skip
+        turns,
+        prompt,
+        prompt - computed,
+        computed,
+        rows[-1].prompt_tokens,
+        rows[-1].computed_tokens,
+        max(r.computed_tokens for r in rows),
+        prompt / computed if computed else None,
+        statistics.fmean(r.ttft_s for r in rows),
+        rows[-1].ttft_s,
+        sum(r.latency_s for r in rows),
+        metrics,
+    )
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -95,14 +105,19 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-output-tokens", type=int, default=d.max_output_tokens)
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--tokenizer", type=Path,
-                   help="tokenizer that sizes the turns (default: --model's)")  # fmt: skip
+    p.add_argument(
+        "--tokenizer", type=Path, help="tokenizer that sizes the turns (default: --model's)"
+    )
 
 
 def session_spec(args: argparse.Namespace) -> SessionSpec:
-    spec = SessionSpec(turns=args.turns, final_context_tokens=args.final_context,
-                       scale=args.scale, max_output_tokens=args.max_output_tokens,
-                       seed=args.seed)  # fmt: skip
+    spec = SessionSpec(
+        turns=args.turns,
+        final_context_tokens=args.final_context,
+        scale=args.scale,
+        max_output_tokens=args.max_output_tokens,
+        seed=args.seed,
+    )
     spec.validate()
     return spec
 

@@ -375,8 +375,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def build(args: argparse.Namespace) -> list[StoreScenario]:
-    return [StoreScenario(StoreSpec(args.total, args.block, args.rebuild_blocks, args.lookups,
-                                    args.dir))]  # fmt: skip
+    return [
+        StoreScenario(
+            StoreSpec(args.total, args.block, args.rebuild_blocks, args.lookups, args.dir)
+        )
+    ]
 
 
 def output(doc: dict[str, Any], args: argparse.Namespace) -> int:

@@ -119,10 +119,16 @@ async def _cold_warm(
     warms = [await send(prompts[-1]) for _ in range(WARM_SENDS)]
     cold_s = statistics.median(c.ttft_s for c in colds)
     warm_s = statistics.median(w.ttft_s for w in warms)
-    return SizeTTFT(cold_s, warm_s, [c.ttft_s for c in colds], [w.ttft_s for w in warms],
-                    cold_s / warm_s if warm_s > 0 else None,
-                    max(c.cached_tokens for c in colds), min(w.cached_tokens for w in warms),
-                    colds[-1].prompt_tokens)  # fmt: skip
+    return SizeTTFT(
+        cold_s,
+        warm_s,
+        [c.ttft_s for c in colds],
+        [w.ttft_s for w in warms],
+        cold_s / warm_s if warm_s > 0 else None,
+        max(c.cached_tokens for c in colds),
+        min(w.cached_tokens for w in warms),
+        colds[-1].prompt_tokens,
+    )
 
 
 async def _after_restart(
@@ -138,11 +144,18 @@ async def _after_restart(
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sizes", type=parse_sizes, default=list(DEFAULT_SIZES),
-                   help="comma-separated prompt sizes in tokens")  # fmt: skip
+    p.add_argument(
+        "--sizes",
+        type=parse_sizes,
+        default=list(DEFAULT_SIZES),
+        help="comma-separated prompt sizes in tokens",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--restart", action="store_true",
-                   help="restart vLLM after the warm pass; send every size again")  # fmt: skip
+    p.add_argument(
+        "--restart",
+        action="store_true",
+        help="restart vLLM after the warm pass; send every size again",
+    )
 
 
 def build(args: argparse.Namespace) -> list[TTFTScenario]:
