@@ -25,11 +25,11 @@ model: $(MODEL)/config.json $(GEMMA3)/config.json
 
 # config.json is written last: its presence means the weights and tokenizer are complete. The
 # model is rebuilt when its generator changes.
-$(MODEL)/config.json: $(STAMP) src/kvkeep/model.py
+$(MODEL)/config.json: $(STAMP) src/kvkeep/tinymodel/generate.py
 	$(VENV)/bin/kvkeep model tiny $(MODEL)
 
 # The hybrid (sliding-window) model of the HMA tests: Gemma 3's 5 sliding layers + 1 full.
-$(GEMMA3)/config.json: $(STAMP) src/kvkeep/model.py src/kvkeep/model_arch.py
+$(GEMMA3)/config.json: $(STAMP) src/kvkeep/tinymodel/generate.py src/kvkeep/tinymodel/arch.py
 	$(VENV)/bin/kvkeep model tiny $(GEMMA3) --arch gemma3
 
 demo: setup model

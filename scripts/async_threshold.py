@@ -36,7 +36,7 @@ import httpx
 
 from kvkeep.bench.deploy.vllm import LaunchConfig, VLLMServer
 from kvkeep.bench.metrics import kvkeep_profile
-from kvkeep.serve import CacheServerConfig, CacheServerProcess
+from kvkeep.launch.cache_server import CacheServerConfig, CacheServerProcess
 
 BLOCK = 128
 SIZES = tuple(int(n) for n in os.environ.get("KVKEEP_SIZES", "1,2,4,8,16,32,64,96,128").split(","))

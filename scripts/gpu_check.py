@@ -5,7 +5,7 @@ bandwidth, kvkeep's per-step save and load bandwidth for 16-token blocks in each
 uses on CUDA (through ``kvkeep.vllm.cuda.CudaMover``, the connector's own code), a verified
 load as the loader runs it (every checksum, then the copy), checksum GB/s by thread count,
 and, if a CUDA vLLM imports, an end-to-end smoke test (``--smoke``). With ``--device cpu``:
-the same layout figures for a KV cache in host memory (``kvkeep.vllm.transfer.Mover``),
+the same layout figures for a KV cache in host memory (``kvkeep.vllm.mover.Mover``),
 beside the old block-by-block, layer-by-layer loop.
 """
 
@@ -27,7 +27,7 @@ from kvkeep.server.arenamap import ArenaMap
 from kvkeep.store.base import checksum
 from kvkeep.vllm.cuda import PINS, CudaMover
 from kvkeep.vllm.layout import KVLayout, LayoutDescription
-from kvkeep.vllm.transfer import Mover
+from kvkeep.vllm.mover import Mover
 from kvkeep.vllm.verify import SlotVerifier, default_threads
 
 # physical axis order of logical [L, B, H, N, C] (vllm/v1/kv_cache_layout.py)

@@ -24,7 +24,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from kvkeep.cpu_pool import WEIGHT_SUFFIXES
+from kvkeep.host.cpu_pool import WEIGHT_SUFFIXES
 
 
 def _free_port() -> int:

@@ -36,7 +36,8 @@ from tests.e2e.engine import BLOCK, complete, reference
 from kvkeep.bench.criterion import same_as_hit
 from kvkeep.bench.deploy.vllm import LaunchConfig, VLLMServer
 from kvkeep.bench.metrics import kvkeep_tokens
-from kvkeep.serve import CPU_SCHEDULING, CacheServerConfig, CacheServerProcess
+from kvkeep.launch.cache_server import CacheServerConfig, CacheServerProcess
+from kvkeep.launch.serve import CPU_SCHEDULING
 from kvkeep.server.client import KVKeepClient
 
 MODEL = Path(os.environ.get("KVKEEP_TINY_GEMMA3", ".cache/tiny-gemma3"))

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvkeep.model import HYBRID_LAYERS, WEIGHTS_FILE, TinyModelSpec, write_tiny_model
 from kvkeep.store.redis_process import RedisProcess
+from kvkeep.tinymodel.generate import HYBRID_LAYERS, WEIGHTS_FILE, TinyModelSpec, write_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,16 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 # Packages that bench builds on and that must never import it (plan replays bench results
 # from their JSON alone; the store, server and connector know nothing of measurements).
-BELOW_BENCH = ("kvkeep.plan", "kvkeep.store", "kvkeep.server", "kvkeep.vllm")
+BELOW_BENCH = (
+    "kvkeep.plan",
+    "kvkeep.store",
+    "kvkeep.server",
+    "kvkeep.vllm",
+    "kvkeep.host",
+    "kvkeep.launch",
+    "kvkeep.traffic",
+    "kvkeep.tinymodel",
+)
 
 
 def module_name(path: Path, src: Path) -> str:

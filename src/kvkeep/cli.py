@@ -19,10 +19,12 @@ class Route(NamedTuple):
 
 # `kvkeep NAME ...` -> module whose main(argv) handles the rest of the arguments.
 COMMANDS: dict[str, Route] = {
-    "model": Route("kvkeep.model", "generate the tiny local test model"),
+    "model": Route("kvkeep.tinymodel.generate", "generate the tiny local test model"),
     "demo": Route("kvkeep.demo", "run the session and TTFT scenarios on the tiny model"),
     "server": Route("kvkeep.server.main", "run the kvkeep cache server"),
-    "serve": Route("kvkeep.serve", "start the cache server, then vLLM with the kvkeep connector"),
+    "serve": Route(
+        "kvkeep.launch.serve", "start the cache server, then vLLM with the kvkeep connector"
+    ),
     "plan": Route("kvkeep.plan.main", "which cache configuration a workload needs"),
 }
 

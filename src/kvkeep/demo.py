@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from kvkeep.bench import cli as bench_cli
-from kvkeep.model import TinyModelSpec, write_tiny_model
+from kvkeep.tinymodel.generate import TinyModelSpec, write_tiny_model
 
 
 def main(argv: list[str]) -> int:

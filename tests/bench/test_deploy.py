@@ -16,8 +16,8 @@ from kvkeep.bench.deploy.vllm import (
     build_command,
     loaded_format,
 )
-from kvkeep.cpu_pool import GENERATED_WEIGHTS
-from kvkeep.serve import CPU_SCHEDULING, flag_value
+from kvkeep.host.cpu_pool import GENERATED_WEIGHTS
+from kvkeep.launch.serve import CPU_SCHEDULING, flag_value
 
 
 def test_cache_server_restarts_dies_and_is_replaced() -> None:

@@ -16,7 +16,7 @@ from kvkeep.bench.scenarios.replay import ReplayResult
 from kvkeep.bench.scenarios.restart import RemoteRestartResult, RestartResult
 from kvkeep.bench.scenarios.session import SessionResult
 from kvkeep.bench.scenarios.ttft import SizeTTFT, TTFTResult
-from kvkeep.workload import SessionSpec
+from kvkeep.traffic.workload import SessionSpec
 
 
 def _agents(fit: PoolFit | None) -> dict:

@@ -153,7 +153,7 @@ def test_sse_lines_split_only_at_line_ends() -> None:
     import asyncio
     import json
 
-    from kvkeep.endpoint import sse_lines
+    from kvkeep.traffic.endpoint import sse_lines
 
     events = [{"choices": [{"text": f"a\u2028b\u2029c\x85d{i}"}]} for i in range(3)]
     wire = (

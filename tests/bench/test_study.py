@@ -15,7 +15,7 @@ from kvkeep.bench.prompts import Queried
 from kvkeep.bench.result import to_json
 from kvkeep.bench.scenarios.capacity import CapacitySpec
 from kvkeep.bench.scenarios.restart import Requeried, summarize
-from kvkeep.model import TinyModelSpec, llama_config
+from kvkeep.tinymodel.generate import TinyModelSpec, llama_config
 
 
 def test_cacheable_tokens_never_include_the_last_token() -> None:

@@ -23,7 +23,7 @@ from kvkeep.bench.context import Needs, RunContext, Setup
 from kvkeep.bench.deploy.vllm import LaunchConfig
 from kvkeep.bench.suite import _run_together
 from kvkeep.bench.turns import Turnstile
-from kvkeep.installed_vllm import installed_vllm
+from kvkeep.launch.installed_vllm import installed_vllm
 
 
 def no_wait() -> None:

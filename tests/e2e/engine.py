@@ -28,7 +28,7 @@ from kvkeep.bench.criterion import (
 from kvkeep.bench.deploy.vllm import VLLMServer
 from kvkeep.bench.prompts import reset_device_cache as reset_device_cache
 from kvkeep.keys import BlockKey, chain_keys, root_key_of
-from kvkeep.serve import CacheServerProcess
+from kvkeep.launch.cache_server import CacheServerProcess
 from kvkeep.server.client import KVKeepClient, Session
 from kvkeep.store.base import checksum
 

@@ -33,7 +33,7 @@ import pytest
 from kvkeep.bench.criterion import Reply, same_as_hit
 from kvkeep.bench.deploy.vllm import free_port
 from kvkeep.bench.metrics import kvkeep_tokens
-from kvkeep.serve import CacheServerConfig, CacheServerProcess, stop_process_group
+from kvkeep.launch.cache_server import CacheServerConfig, CacheServerProcess, stop_process_group
 
 pytestmark = pytest.mark.e2e
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from kvkeep.bench.deploy.vllm import LaunchConfig, LaunchError, VLLMServer, loaded_format
-from kvkeep.endpoint import complete_ids, discover_model
+from kvkeep.traffic.endpoint import complete_ids, discover_model
 
 pytestmark = pytest.mark.e2e
 

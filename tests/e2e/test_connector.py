@@ -29,9 +29,9 @@ import pytest
 
 from kvkeep.bench.criterion import same_as_cold, same_as_hit
 from kvkeep.bench.deploy.vllm import LaunchConfig, VLLMServer
-from kvkeep.model import TinyModelSpec, write_tiny_model
-from kvkeep.serve import CacheServerConfig, CacheServerProcess
+from kvkeep.launch.cache_server import CacheServerConfig, CacheServerProcess
 from kvkeep.server.client import KVKeepClient
+from kvkeep.tinymodel.generate import TinyModelSpec, write_tiny_model
 
 from .engine import Served, complete
 

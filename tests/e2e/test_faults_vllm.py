@@ -35,10 +35,10 @@ from kvkeep.bench.deploy.vllm import LaunchConfig, VLLMServer
 from kvkeep.bench.http import TurnResult, run_agents
 from kvkeep.bench.metrics import kvkeep_tokens
 from kvkeep.bench.prompts import reset_device_cache
-from kvkeep.model import TinyModelSpec, write_tiny_model
-from kvkeep.serve import CacheServerConfig, CacheServerProcess
+from kvkeep.launch.cache_server import CacheServerConfig, CacheServerProcess
 from kvkeep.store.diskformat import read_index
-from kvkeep.workload import HFTokenizer, SessionSpec, generate_sessions
+from kvkeep.tinymodel.generate import TinyModelSpec, write_tiny_model
+from kvkeep.traffic.workload import HFTokenizer, SessionSpec, generate_sessions
 
 from .engine import Deployment, Reference, Served, arena_problems, complete, reference
 

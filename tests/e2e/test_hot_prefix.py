@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvkeep.bench.deploy.vllm import LaunchConfig, VLLMServer
-from kvkeep.serve import CacheServerConfig, CacheServerProcess
+from kvkeep.launch.cache_server import CacheServerConfig, CacheServerProcess
 from kvkeep.server.client import KVKeepClient
 
 from .engine import complete, worker_namespace

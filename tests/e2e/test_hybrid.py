@@ -29,7 +29,7 @@ import pytest
 from kvkeep.bench.criterion import same_as_cold, same_as_hit
 from kvkeep.bench.deploy.vllm import LaunchConfig, VLLMServer
 from kvkeep.bench.metrics import kvkeep_tokens
-from kvkeep.serve import CacheServerConfig, CacheServerProcess
+from kvkeep.launch.cache_server import CacheServerConfig, CacheServerProcess
 
 from .engine import (
     BLOCK,

@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from kvkeep.bench.deploy.vllm import free_port
-from kvkeep.serve import socket_listening
+from kvkeep.launch.cache_server import socket_listening
 
 pytestmark = pytest.mark.e2e
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvkeep.model import TinyModelSpec, llama_config
 from kvkeep.plan.footprint import PRESETS, footprint_from_config, resolve_model
+from kvkeep.tinymodel.generate import TinyModelSpec, llama_config
 
 
 def test_tiny_model_config_matches_its_spec(tmp_path: Path) -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvkeep.model import TinyModelSpec, llama_config
 from kvkeep.plan.footprint import footprint_from_config, resolve_model
 from kvkeep.plan.pool import PoolGroups, pool_groups, request_blocks
+from kvkeep.tinymodel.generate import TinyModelSpec, llama_config
 
 GEMMA3_TINY = {"num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
                "head_dim": 64, "sliding_window": 512,

@@ -9,7 +9,7 @@ import pytest
 
 from kvkeep.plan.stackdist import stack_distances
 from kvkeep.plan.workloads import TileSpec, session_trace, template_encoder, tile_trace
-from kvkeep.workload import HFTokenizer, SessionSpec, generate_sessions
+from kvkeep.traffic.workload import HFTokenizer, SessionSpec, generate_sessions
 
 SPEC = SessionSpec(turns=6, scale=0.03, max_output_tokens=8)
 

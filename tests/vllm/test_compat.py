@@ -34,7 +34,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.request import Request
 
-from kvkeep.cpu_pool import GENERATED_WEIGHTS
+from kvkeep.host.cpu_pool import GENERATED_WEIGHTS
 from kvkeep.keys import Namespace
 from kvkeep.server.client import CacheUnavailable, KVKeepClient, LookupResult
 from kvkeep.vllm import compat

@@ -14,8 +14,8 @@ from kvkeep.server.client import KVKeepClient, Session
 from kvkeep.vllm.counters import Counters
 from kvkeep.vllm.layout import KVLayout
 from kvkeep.vllm.loader import BackgroundLoads, BlockLoader, LoadResult
+from kvkeep.vllm.mover import Mover
 from kvkeep.vllm.plan import BlockTransfer, RequestLoad
-from kvkeep.vllm.transfer import Mover
 from kvkeep.vllm.verify import SlotVerifier
 from serverproc import Server
 

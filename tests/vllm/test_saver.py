@@ -20,9 +20,9 @@ from kvkeep.vllm import saver as saver_module
 from kvkeep.vllm.counters import Counters
 from kvkeep.vllm.layout import KVLayout, LayoutDescription
 from kvkeep.vllm.loader import BlockLoader
+from kvkeep.vllm.mover import Mover
 from kvkeep.vllm.plan import BlockTransfer, RequestLoad
 from kvkeep.vllm.saver import Saver, _Ring, staging_shape
-from kvkeep.vllm.transfer import Mover
 from serverproc import Server
 
 L, B, H, N, C = 2, 12, 2, 16, 32
@@ -284,7 +284,7 @@ def test_staging_holds_two_steps_by_default_and_splits_a_small_budget() -> None:
 
 
 def test_the_saver_thread_keeps_the_engines_priority(server: Server) -> None:
-    """Saves are not background work that may wait for idle cores (kvkeep.background): on an
+    """Saves are not background work that may wait for idle cores (kvkeep.host.background): on an
     engine that is never idle, a saver at idle priority stored almost nothing, and S7's
     kvkeep hit rate fell 8 points below the planner's."""
     saver, _ = make_saver(server, engine())

@@ -29,10 +29,10 @@ from kvkeep.bench.report.environment import environment
 from kvkeep.bench.scenario import Scenario
 from kvkeep.bench.scenarios import agents, capacity, hol, restart, session, soak, store, ttft
 from kvkeep.bench.scenarios import replay as replay_scenario
-from kvkeep.cpu_pool import WEIGHT_SUFFIXES
-from kvkeep.installed_vllm import installed_vllm
+from kvkeep.host.cpu_pool import WEIGHT_SUFFIXES
+from kvkeep.launch.installed_vllm import installed_vllm
+from kvkeep.traffic.workload import BENCH_CACHE_DISK, BENCH_CACHE_RAM, HFTokenizer, SessionSpec
 from kvkeep.units import parse_size
-from kvkeep.workload import BENCH_CACHE_DISK, BENCH_CACHE_RAM, HFTokenizer, SessionSpec
 
 Output = Callable[[dict[str, Any], argparse.Namespace], int]
 

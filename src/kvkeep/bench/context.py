@@ -139,7 +139,7 @@ def deployment(mode: str, cfg: LaunchConfig, needs: Needs, setup: Setup) -> Iter
             caches.append(stack.enter_context(CacheServer(setup.cache, store, f"replica{i}")))
         sockets: list[str | None] = [c.socket for c in caches] or [None] * needs.replicas
         # Replicas share the machine's cores and serve at once: the engine-core binding
-        # (kvkeep.placement) is measured for one engine at a time. Two engines bound alike
+        # (kvkeep.host.placement) is measured for one engine at a time. Two engines bound alike
         # slowed one's prefills 4-9x when their requests alternated 0.3 s apart: each engine
         # polls for 1 s after its last step, on the core of the other's forward thread.
         bind = cfg.bind_scheduler and len(sockets) == 1

@@ -14,8 +14,8 @@ from typing import TypeVar
 
 import httpx
 
-from kvkeep.endpoint import REQUEST_TIMEOUT_S, chat_turn, discover_model
-from kvkeep.workload import Turn
+from kvkeep.traffic.endpoint import REQUEST_TIMEOUT_S, chat_turn, discover_model
+from kvkeep.traffic.workload import Turn
 
 LATE_TURNS = 5
 

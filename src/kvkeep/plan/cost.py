@@ -96,7 +96,7 @@ def calibrate(endpoint: str, sizes: Sequence[int] = CALIBRATION_SIZES) -> Prefil
     """Measure cold TTFTs at ``sizes`` against a live OpenAI-compatible server and fit them.
 
     Blocks for the duration; each prompt is random token ids that no earlier prompt shares, so
-    nothing is cached. Raises httpx / EndpointError errors from `kvkeep.endpoint` unchanged.
+    nothing is cached. Raises httpx / EndpointError errors from `kvkeep.traffic.endpoint` unchanged.
     """
     return fit_prefill(asyncio.run(_measure(endpoint.rstrip("/"), sizes)))
 
@@ -104,8 +104,8 @@ def calibrate(endpoint: str, sizes: Sequence[int] = CALIBRATION_SIZES) -> Prefil
 async def _measure(url: str, sizes: Sequence[int]) -> list[Measurement]:
     import httpx
 
-    from kvkeep.endpoint import complete_ids, discover_model
-    from kvkeep.workload import random_ids
+    from kvkeep.traffic.endpoint import complete_ids, discover_model
+    from kvkeep.traffic.workload import random_ids
 
     run = f"plan-calibrate:{time.time_ns()}"
     out = []

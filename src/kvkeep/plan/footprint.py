@@ -13,8 +13,9 @@ Which layers slide is read the way each family writes it: ``layer_types`` (gpt-o
 Gemma/Qwen configs), ``sliding_window_pattern`` (Gemma 3: every N-th layer is global),
 ``use_sliding_window`` + ``max_window_layers`` (Qwen2), or ``sliding_window`` alone (Mistral
 7B v0.1: every layer slides); Gemma 2's published configs say none of these, and its layers
-alternate. Models with Mamba or linear-attention layers are refused (`kvkeep.hybrid`): kvkeep
-cannot store their state, so no figure here would describe what it keeps.
+alternate. Models with Mamba or linear-attention layers are refused
+(`kvkeep.launch.model_support`): kvkeep cannot store their state, so no figure here would
+describe what it keeps.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from kvkeep.hybrid import refusal, state_layers
+from kvkeep.launch.model_support import refusal, state_layers
 
 DTYPE_BYTES = {
     "float32": 4,
@@ -230,7 +231,7 @@ PRESETS: dict[str, tuple[dict[str, Any], str]] = {
             "hidden_size": 256,
             "torch_dtype": "bfloat16",
         },
-        "kvkeep.model.TinyModelSpec defaults (`kvkeep model tiny DIR`)",
+        "kvkeep.tinymodel.generate.TinyModelSpec defaults (`kvkeep model tiny DIR`)",
     ),
 }
 

@@ -25,8 +25,8 @@ from kvkeep.plan.stackdist import stack_distances
 from kvkeep.plan.tiers import TierSpec, tier_hits
 from kvkeep.plan.trace import BlockTrace, TraceError, read_trace
 from kvkeep.plan.workloads import TileSpec, session_trace, tile_trace
+from kvkeep.traffic.workload import STUDY_TURNS, SessionSpec
 from kvkeep.units import parse_size
-from kvkeep.workload import STUDY_TURNS, SessionSpec
 
 TIERS = ("device", "ram", "disk")
 

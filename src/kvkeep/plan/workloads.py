@@ -25,7 +25,7 @@ from typing import Any
 
 from kvkeep.keys import BlockKey, chain_keys
 from kvkeep.plan.trace import BlockTrace, make_request
-from kvkeep.workload import (
+from kvkeep.traffic.workload import (
     CharEstimate,
     HFTokenizer,
     Message,

@@ -6,7 +6,7 @@ any of them uses it. A fresh mapping has no page-table entries: the first copy o
 4 KiB page takes a fault, which makes the first load of 8 MiB in a new engine process about
 3.5 ms slower (1.3 ms populated, 4.8 ms not, measured on 2 cores). So a new mapping is
 populated in the background (``MADV_POPULATE_WRITE``, Linux 5.14+, in small chunks), at the
-idle priority of kvkeep's background work (``kvkeep.background``): it costs an engine
+idle priority of kvkeep's background work (``kvkeep.host.background``): it costs an engine
 nothing it was using, and the connector maps the arena when the worker starts, so by the
 first request the pages are usually mapped. Elsewhere, or when the kernel refuses, pages
 fault in on first use as before.
@@ -26,7 +26,7 @@ import threading
 import time
 import weakref
 
-from kvkeep.background import give_way, start_thread
+from kvkeep.host.background import give_way, start_thread
 from kvkeep.store.shm import populate, unpopulate
 
 
@@ -62,7 +62,7 @@ def shared_map(path: str, instance: str, size: int) -> ArenaMap:
 
 
 def _populate_idle(arena_map: mmap.mmap, done: threading.Event) -> None:
-    # Not unbound (``kvkeep.background.unbind``): at idle priority on its creator's core it
+    # Not unbound (``kvkeep.host.background.unbind``): at idle priority on its creator's core it
     # runs only while that thread waits, and never takes the process's memory-map lock
     # while that thread, starting up, maps memory.
     give_way()

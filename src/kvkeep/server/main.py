@@ -9,7 +9,7 @@ import resource
 import sys
 from pathlib import Path
 
-from kvkeep.background import POLICIES, set_policy
+from kvkeep.host.background import POLICIES, set_policy
 from kvkeep.server.metrics import serve_metrics
 from kvkeep.server.server import CacheServer, ServerConfig
 from kvkeep.store.remote import RemoteConfig, WritePolicy

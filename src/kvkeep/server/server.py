@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvkeep.background import give_way, start_thread
+from kvkeep.host.background import give_way, start_thread
 from kvkeep.server import protocol as p
 from kvkeep.server.namespaces import NamespaceRegistry
 from kvkeep.store.base import NullTier, StoreKey, Tier

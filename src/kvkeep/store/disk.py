@@ -23,7 +23,7 @@ tombstoned, so the record is never returned.
 
 Writeback: each record's pages are sent to the device right after it is appended
 (``sync_file_range``, where the platform has it), on the thread that wrote it, which in the
-cache server runs only in the engine's idle moments (``kvkeep.background.give_way``). Left to
+cache server runs only in the engine's idle moments (``kvkeep.host.background.give_way``). Left to
 the kernel, dirty pages are flushed 30 s later by its own threads at normal priority, in the
 middle of whatever the engine computes then.
 

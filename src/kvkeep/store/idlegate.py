@@ -1,6 +1,6 @@
 """Holding write-through back while the engine computes.
 
-SCHED_IDLE (``kvkeep.background.give_way``) keeps the cache server's writer off cores that a
+SCHED_IDLE (``kvkeep.host.background.give_way``) keeps the cache server's writer off cores that a
 forward wants, but not out of its way: the writer's kernel work (page-cache copies, ext4
 allocation, the device's writeback) still runs between the forward's threads, and each of
 their barriers waits for the slowest. Measured on 2 cores with AMX (``kvkeep bench ttft

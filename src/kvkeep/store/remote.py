@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 from urllib.parse import unquote
 
-from kvkeep.background import give_way, start_thread
+from kvkeep.host.background import give_way, start_thread
 from kvkeep.store.base import Found, StoreKey, TierCounters, TierStats, copy_checked
 from kvkeep.store.keyformat import REMOTE_KEY_PREFIX
 from kvkeep.store.throttle import Breaker, TokenBucket

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kvkeep.background import give_way, start_thread
+from kvkeep.host.background import give_way, start_thread
 from kvkeep.store.base import NullTier, StoreKey, Tier, checksum
 from kvkeep.store.idlegate import IdleGate
 from kvkeep.store.ram import RamTier

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvkeep.cpu_pool import GENERATED_WEIGHTS
+from kvkeep.host.cpu_pool import GENERATED_WEIGHTS
 from kvkeep.keys import Namespace
 from kvkeep.vllm.layout import LayoutDescription
 

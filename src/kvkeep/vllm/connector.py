@@ -59,7 +59,7 @@ each group apart (one ``RequestBook`` and one ``WorkerSide`` per group). A slidi
 group loads and saves only the blocks in the window a hit needs (``RequestBook``'s doc).
 With several groups vLLM accepts load failures only as whole requests of asynchronous loads
 (``failed_recving``), so every load is asynchronous there, and a request is reported when
-all its groups' loads ended (:mod:`kvkeep.vllm.hybrid`).
+all its groups' loads ended (:mod:`kvkeep.vllm.group_loads`).
 
 This module is vLLM's entry point and delegates by role: ``scheduler_side`` (EngineCore),
 ``worker_side`` (each worker), ``stats`` (counters and Prometheus); the decisions, free of
@@ -88,7 +88,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from kvkeep.server.client import KVKeepClient
 from kvkeep.vllm import compat
 from kvkeep.vllm.config import ConnectorConfig
-from kvkeep.vllm.hybrid import GroupLoads
+from kvkeep.vllm.group_loads import GroupLoads
 from kvkeep.vllm.plan import StepPlan
 from kvkeep.vllm.scheduler_side import SchedulerSide
 from kvkeep.vllm.stats import KVKeepPromMetrics, KVKeepStats
@@ -276,7 +276,7 @@ class KVKeepConnector(KVConnectorBase_V1, SupportsHMA):
                 worker.load(plan)
 
     def _expect_loads(self, plans: tuple[StepPlan, ...]) -> None:
-        """Count, per request, the groups whose loads start now (see ``kvkeep.vllm.hybrid``)."""
+        """Count, per request, the groups whose loads start now (``kvkeep.vllm.group_loads``)."""
         groups: dict[str, int] = {}
         for plan in plans:
             for load in plan.loads:

@@ -42,10 +42,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from kvkeep.background import start_thread
+from kvkeep.host.background import start_thread
 from kvkeep.server.arenamap import ArenaMap
 from kvkeep.vllm.layout import KVLayout
-from kvkeep.vllm.transfer import Fence, Mover, Wait, region_of
+from kvkeep.vllm.mover import Fence, Mover, Wait, region_of
 from kvkeep.vllm.verify import Check, default_threads
 
 log = logging.getLogger("vllm.kvkeep")

@@ -28,11 +28,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from kvkeep.background import start_thread, unbind
+from kvkeep.host.background import start_thread, unbind
 from kvkeep.server.client import CacheUnavailable, KVKeepClient, Session, SlotRef
 from kvkeep.vllm.layout import KVLayout
+from kvkeep.vllm.mover import Fence, Mover
 from kvkeep.vllm.plan import RequestLoad
-from kvkeep.vllm.transfer import Fence, Mover
 from kvkeep.vllm.verify import SlotVerifier
 
 log = logging.getLogger("vllm.kvkeep")

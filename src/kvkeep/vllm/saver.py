@@ -55,13 +55,13 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kvkeep.background import start_thread, unbind
+from kvkeep.host.background import start_thread, unbind
 from kvkeep.keys import BlockKey
 from kvkeep.server.client import CacheUnavailable, KVKeepClient, Session, SlotRef
 from kvkeep.store.base import checksum
 from kvkeep.vllm.layout import KVLayout
+from kvkeep.vllm.mover import Mover, Wait
 from kvkeep.vllm.plan import BlockTransfer
-from kvkeep.vllm.transfer import Mover, Wait
 
 log = logging.getLogger("vllm.kvkeep")
 

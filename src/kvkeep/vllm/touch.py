@@ -13,7 +13,7 @@ import logging
 import queue
 from collections.abc import Sequence
 
-from kvkeep.background import start_thread
+from kvkeep.host.background import start_thread
 from kvkeep.keys import BlockKey
 from kvkeep.server.client import CacheUnavailable, KVKeepClient, Session
 

@@ -30,7 +30,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from kvkeep.background import unbind
+from kvkeep.host.background import unbind
 from kvkeep.store.base import checksum
 
 MIN_PARALLEL_BYTES = 4 << 20  # below this a load is checked on the caller's thread

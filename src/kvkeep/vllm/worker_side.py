@@ -18,16 +18,16 @@ from typing import Any
 
 import numpy as np
 
-from kvkeep.background import start_thread, unbind
+from kvkeep.host.background import start_thread, unbind
 from kvkeep.keys import BlockKey
 from kvkeep.server.client import CacheUnavailable, KVKeepClient, Session, SlotRef
 from kvkeep.vllm import compat, cuda
 from kvkeep.vllm.counters import Counters, timed
 from kvkeep.vllm.layout import KVLayout
 from kvkeep.vllm.loader import BackgroundLoads, BlockLoader, LoadResult, result_of
+from kvkeep.vllm.mover import Mover
 from kvkeep.vllm.plan import RequestLoad, StepPlan
 from kvkeep.vllm.saver import Saver, staging_shape
-from kvkeep.vllm.transfer import Mover
 
 log = logging.getLogger("vllm.kvkeep")
 SUMMARY_EVERY_S = 10.0

@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from kvkeep.bench.deploy import exit_on_sigterm
-from kvkeep.serve import CacheServerConfig, CacheServerProcess
+from kvkeep.launch.cache_server import CacheServerConfig, CacheServerProcess
 from kvkeep.server.client import CacheUnavailable, KVKeepClient
 from kvkeep.store.redis_process import RedisProcess
+from kvkeep.traffic.workload import BENCH_CACHE_DISK, BENCH_CACHE_RAM
 from kvkeep.units import parse_size
-from kvkeep.workload import BENCH_CACHE_DISK, BENCH_CACHE_RAM
 
 
 @dataclass(frozen=True)

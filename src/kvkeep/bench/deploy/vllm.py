@@ -4,7 +4,7 @@ the caller starts (`context.deployment`), so it outlives vLLM restarts.
 
 Everything but the cache is pinned identically across modes, so a difference between modes is
 the cache's: the chunked-prefill scheduling (`LaunchConfig.scheduling`), the reserved CPUs, and
-the engine core's core (`kvkeep.placement`: unbound, where it landed set decode speed 2x).
+the engine core's core (`kvkeep.host.placement`: unbound, where it landed set decode speed 2x).
 `VLLM_CPU_NUM_OF_RESERVED_CPU` is always set explicitly, because the CPU build reserves one more
 core per worker as soon as any KV connector is configured, which on 2 cores makes cold prefill
 about 1.9x faster (DESIGN.md). The dev endpoints are on (VLLM_SERVER_DEV_MODE=1), so a scenario
@@ -29,16 +29,11 @@ from pathlib import Path
 import httpx
 
 from kvkeep.bench.deploy import exit_on_sigterm
-from kvkeep.cpu_pool import GENERATED_WEIGHTS, WEIGHT_SUFFIXES
-from kvkeep.placement import bind_scheduler_to_forward
-from kvkeep.serve import (
-    check_weights,
-    kv_transfer_args,
-    log_tail,
-    serve_defaults,
-    stop_process_group,
-    with_defaults,
-)
+from kvkeep.host.cpu_pool import GENERATED_WEIGHTS, WEIGHT_SUFFIXES
+from kvkeep.host.placement import bind_scheduler_to_forward
+from kvkeep.launch.cache_server import log_tail, stop_process_group
+from kvkeep.launch.connector_args import kv_transfer_args
+from kvkeep.launch.serve import check_weights, serve_defaults, with_defaults
 from kvkeep.store.redis_process import free_port
 
 SERVED_MODEL_NAME = "kvkeep-tiny"
@@ -84,7 +79,7 @@ class LaunchConfig:
     # "vllm": vLLM's own in every mode.
     scheduling: str = "kvkeep"
     reserved_cpus: int = 0
-    # bind vLLM's engine core to the core of the forward's first thread (kvkeep.placement)
+    # bind vLLM's engine core to the core of the forward's first thread (kvkeep.host.placement)
     bind_scheduler: bool = True
     log_dir: Path = Path(".cache/logs")
     ready_timeout_s: float = 300.0

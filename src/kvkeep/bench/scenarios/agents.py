@@ -27,7 +27,7 @@ from kvkeep.bench.metrics import HitRates, Probe, hit_split
 from kvkeep.bench.result import FLAT
 from kvkeep.bench.scenario import Needs
 from kvkeep.bench.scenarios import session
-from kvkeep.workload import SessionSpec, TokenCounter, generate_sessions
+from kvkeep.traffic.workload import SessionSpec, TokenCounter, generate_sessions
 
 
 @dataclass(frozen=True)

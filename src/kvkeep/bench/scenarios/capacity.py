@@ -27,7 +27,7 @@ from kvkeep.bench.result import FLAT
 from kvkeep.bench.scenario import Needs
 from kvkeep.plan.footprint import footprint_from_file
 from kvkeep.plan.pool import request_blocks
-from kvkeep.workload import QUESTION_TOKENS
+from kvkeep.traffic.workload import QUESTION_TOKENS
 
 
 @dataclass(frozen=True)

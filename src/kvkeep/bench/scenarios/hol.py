@@ -26,9 +26,9 @@ from kvkeep.bench.context import RunContext
 from kvkeep.bench.deploy.vllm import build_command
 from kvkeep.bench.prompts import reset_device_cache
 from kvkeep.bench.scenario import Needs, parse_sizes
-from kvkeep.endpoint import StreamStats, complete_ids, discover_model
-from kvkeep.serve import flag_value
-from kvkeep.workload import random_ids
+from kvkeep.launch.serve import flag_value
+from kvkeep.traffic.endpoint import StreamStats, complete_ids, discover_model
+from kvkeep.traffic.workload import random_ids
 
 # The cached request arrives at any point of a step of the large prefill, so its TTFT beside
 # it spreads by about one step: on 2 cores with 8k tokens, 26-73 ms over 12 tries in each of

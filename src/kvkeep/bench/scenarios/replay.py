@@ -28,7 +28,6 @@ from kvkeep.bench.context import RunContext
 from kvkeep.bench.http import TurnResult, agent_loop
 from kvkeep.bench.metrics import Counters, Probe, hit_split, metrics_delta
 from kvkeep.bench.scenario import Needs
-from kvkeep.endpoint import complete_ids, discover_model
 from kvkeep.plan.replay import (
     DEFAULT_TRACES,
     Replay,
@@ -37,6 +36,7 @@ from kvkeep.plan.replay import (
     load_replay,
     replay_trace,
 )
+from kvkeep.traffic.endpoint import complete_ids, discover_model
 
 SAMPLE_S = 2.0  # how often the counters are read for the hit rate over time
 Sample = tuple[float, Counters]  # (seconds since the replay started, the counters then)

@@ -28,7 +28,7 @@ from kvkeep.bench.metrics import mean_rates
 from kvkeep.bench.prompts import Queried, documents, query, reset_device_cache
 from kvkeep.bench.scenario import Needs
 from kvkeep.plan.footprint import footprint_from_file
-from kvkeep.workload import QUESTION_TOKENS, random_ids
+from kvkeep.traffic.workload import QUESTION_TOKENS, random_ids
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,13 @@ from kvkeep.bench.context import RunContext
 from kvkeep.bench.http import TurnResult, run_agents
 from kvkeep.bench.metrics import metrics_delta, vllm_counters
 from kvkeep.bench.scenario import Needs
-from kvkeep.workload import CharEstimate, HFTokenizer, SessionGenerator, SessionSpec, TokenCounter
+from kvkeep.traffic.workload import (
+    CharEstimate,
+    HFTokenizer,
+    SessionGenerator,
+    SessionSpec,
+    TokenCounter,
+)
 
 
 def session_tokens(spec: SessionSpec) -> int:

@@ -60,7 +60,7 @@ from kvkeep.bench.scenarios.soak_faults import (
     background,
     rss_growth,
 )
-from kvkeep.workload import HFTokenizer, SessionSpec, Turn, generate_sessions
+from kvkeep.traffic.workload import HFTokenizer, SessionSpec, Turn, generate_sessions
 
 # A soak turn (a small session) takes seconds: one stuck this long is a failed request, and
 # the run goes on (the bench's own REQUEST_TIMEOUT_S waits for 16k-token cold prefills).

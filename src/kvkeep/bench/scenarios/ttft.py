@@ -25,8 +25,8 @@ from kvkeep.bench.context import RunContext
 from kvkeep.bench.metrics import kvkeep_tokens
 from kvkeep.bench.result import FLAT
 from kvkeep.bench.scenario import Needs, parse_sizes
-from kvkeep.endpoint import StreamStats, complete_ids, discover_model
-from kvkeep.workload import random_ids
+from kvkeep.traffic.endpoint import StreamStats, complete_ids, discover_model
+from kvkeep.traffic.workload import random_ids
 
 DEFAULT_SIZES = (4096, 16384)
 # Five, not three: on 2 cores a fixed batch of matmuls took 415-884 ms from one 2-s sample to

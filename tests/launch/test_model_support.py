@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import transformers
 
-from kvkeep.hybrid import config_of, refusal, state_layers
-from kvkeep.model import TinyModelSpec, llama_config
+from kvkeep.launch.model_support import config_of, refusal, state_layers
+from kvkeep.tinymodel.generate import TinyModelSpec, llama_config
 
 
 @pytest.mark.parametrize(

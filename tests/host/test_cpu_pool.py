@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvkeep.cpu_pool import (
+from kvkeep.host.cpu_pool import (
     GiB,
     MemoryBudget,
     PoolDoesNotFit,

@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from kvkeep import background
+from kvkeep.host import background
 from kvkeep.server.client import KVKeepClient
 from serverproc import Server
 

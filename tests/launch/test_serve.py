@@ -12,19 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from kvkeep import serve
-from kvkeep.cpu_pool import GENERATED_WEIGHTS
-from kvkeep.installed_vllm import InstalledVLLM
-from kvkeep.serve import (
-    CPU_SCHEDULING,
-    CacheServerConfig,
-    CacheServerProcess,
-    main,
-    serve_defaults,
-    socket_listening,
-    split_args,
-    with_defaults,
-)
+from kvkeep.host.cpu_pool import GENERATED_WEIGHTS
+from kvkeep.launch import serve
+from kvkeep.launch.cache_server import CacheServerConfig, CacheServerProcess, socket_listening
+from kvkeep.launch.installed_vllm import InstalledVLLM
+from kvkeep.launch.serve import CPU_SCHEDULING, main, serve_defaults, split_args, with_defaults
 
 
 def test_split_args_hands_everything_after_the_separator_to_vllm() -> None:

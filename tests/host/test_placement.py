@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvkeep.placement import ENGINE_CORE, WORKER, bind_scheduler_to_forward, descendants
+from kvkeep.host.placement import ENGINE_CORE, WORKER, bind_scheduler_to_forward, descendants
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,

@@ -14,7 +14,7 @@ import torch
 from kvkeep.server.arenamap import ArenaMap
 from kvkeep.vllm import cuda
 from kvkeep.vllm.layout import KVLayout, LayoutDescription
-from kvkeep.vllm.transfer import Mover, region_of
+from kvkeep.vllm.mover import Mover, region_of
 
 L, B, H, N, C = 3, 8, 2, 16, 8
 

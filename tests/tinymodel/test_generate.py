@@ -7,7 +7,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from kvkeep.cli import main
-from kvkeep.model import WEIGHTS_FILE, TinyModelSpec, weight_shapes, write_tiny_model
+from kvkeep.tinymodel.generate import WEIGHTS_FILE, TinyModelSpec, weight_shapes, write_tiny_model
 
 
 def test_same_arguments_give_identical_files(tmp_path: Path) -> None:

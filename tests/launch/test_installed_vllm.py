@@ -5,7 +5,7 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
-from kvkeep.installed_vllm import (
+from kvkeep.launch.installed_vllm import (
     SUPPORTED_SERIES,
     InstalledVLLM,
     installed_vllm,
@@ -44,7 +44,7 @@ def test_this_environment_has_the_cpu_build() -> None:
 
 
 def test_the_extras_pin_the_supported_series() -> None:
-    text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    text = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
     extras = tomllib.loads(text)["project"]["optional-dependencies"]
     series = ".".join(map(str, SUPPORTED_SERIES))
     assert extras["cuda"] == [f"vllm>={series}.0,<0.{SUPPORTED_SERIES[1] + 1}"]

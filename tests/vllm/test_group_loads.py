@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvkeep.vllm.hybrid import GroupLoads
+from kvkeep.vllm.group_loads import GroupLoads
 
 
 def test_a_request_ends_when_its_last_group_does_and_fails_if_any_group_did() -> None:

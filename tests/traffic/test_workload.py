@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from kvkeep.workload import (
+from kvkeep.traffic.workload import (
     CharEstimate,
     HFTokenizer,
     SessionGenerator,

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvkeep import model_arch
+from kvkeep.tinymodel import arch as model_arch
 
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>")
 CORPUS_BYTES = 3_000_000  # enough for a 8k vocabulary in about a second

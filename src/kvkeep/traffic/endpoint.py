@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from kvkeep.workload import Turn
+from kvkeep.traffic.workload import Turn
 
 REQUEST_TIMEOUT_S = 1800.0
 

@@ -1,0 +1,5 @@
+"""Launching.
+
+`kvkeep serve`, the cache-server process, the connector's vLLM arguments, and the checks of the
+installed vLLM and the model before start.
+"""
