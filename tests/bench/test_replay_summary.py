@@ -11,6 +11,7 @@ from kvkeep.bench.http import TurnResult
 from kvkeep.bench.metrics import Counters
 from kvkeep.bench.report.tables import claims_table
 from kvkeep.bench.result import to_json
+from kvkeep.bench.scenarios import registry
 from kvkeep.bench.scenarios.replay import percentile, summarize, timeline
 from kvkeep.plan.replay import ReplaySpec, load_replay
 
@@ -61,7 +62,7 @@ def test_summary_and_report(tmp_path: Path) -> None:
     assert "| kvkeep | 480 | 96 | 96 | 288 | 40.0% | 0.200 s |" in md
     assert {p.name for p in paths if p.suffix == ".png"} == {
         "replay_ttft_cdf.png", "replay_hit_rate_over_time.png"}  # fmt: skip
-    claims = claims_table({"scenarios": {"replay": doc}})
+    claims = claims_table({"scenarios": {"replay": doc}}, registry.claims())
     assert (
         "| S7 real coding-agent sessions: hit rate | 94% with room, 17% without | 40.0% |" in claims
     )

@@ -9,11 +9,8 @@ from kvkeep.bench.http import AgentsSummary
 from kvkeep.bench.metrics import HitRates
 from kvkeep.bench.report import tables
 from kvkeep.bench.result import to_json
-from kvkeep.bench.scenarios.agents import AgentsResult, PoolFit, ReplicasResult
-from kvkeep.bench.scenarios.capacity import CapacityResult
-from kvkeep.bench.scenarios.hol import HOLResult
-from kvkeep.bench.scenarios.replay import ReplayResult
-from kvkeep.bench.scenarios.restart import RemoteRestartResult, RestartResult
+from kvkeep.bench.scenarios import registry
+from kvkeep.bench.scenarios.agents import AgentsResult, PoolFit
 from kvkeep.bench.scenarios.session import SessionResult
 from kvkeep.bench.scenarios.ttft import SizeTTFT, TTFTResult
 from kvkeep.traffic.workload import SessionSpec
@@ -60,20 +57,15 @@ def json_keys(cls: type) -> set[str]:
 
 
 TIER_KEYS = {"ram_hit_rate", "disk_hit_rate", "remote_hit_rate"}  # HitRates.tiers, per run
-RESULTS = {
-    "agents": AgentsResult, "agents_fit": AgentsResult, "agents_replicas": ReplicasResult,
-    "hol": HOLResult, "restart": RestartResult, "restart_remote": RemoteRestartResult,
-    "session": SessionResult, "capacity": CapacityResult, "ttft": TTFTResult,
-    "replay": ReplayResult,
-}  # fmt: skip
 
 
 def test_every_column_of_every_table_is_a_field_of_its_result() -> None:
-    assert set(RESULTS) == set(tables.TABLES)
-    for name, table in tables.TABLES.items():
-        if isinstance(table, tables.Table):
-            missing = {c.key for c in table.columns} - json_keys(RESULTS[name]) - TIER_KEYS
-            assert not missing, (name, missing)
+    sections = registry.sections()
+    assert {"session", "ttft", "capacity", "agents", "agents_fit", "hol", "replay"} <= set(sections)
+    for name, section in sections.items():
+        if isinstance(section.table, tables.Table):
+            missing = {c.key for c in section.table.columns} - json_keys(section.result)
+            assert not missing - TIER_KEYS, (name, missing)
     assert {key for key, *_ in tables.SESSION_ROWS} <= json_keys(SessionResult)
-    for _, _, scenario, path, _ in tables.CLAIMS:
-        assert path[0] in json_keys(RESULTS[scenario]), (scenario, path)
+    for claim in registry.claims():
+        assert claim.path[0] in json_keys(sections[claim.scenario].result), claim

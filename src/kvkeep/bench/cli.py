@@ -1,7 +1,8 @@
 """`kvkeep bench NAME ...`: one parser and one error handler for every scenario.
 
-Each command is a scenario module's ``add_args`` and ``build`` (`COMMANDS`) plus the argument
-groups it shares with the others, and runs through the one mode loop (`suite.run_modes`).
+Each command is a scenario module's `Command` (`COMMANDS`, from `scenarios.registry`) plus
+the argument groups it shares with the others, and runs through the one mode loop
+(`suite.run_modes`).
 
 Exit codes: 0 when every scenario ran; 1 when one failed (it is named in the output, the
 others still ran; `soak` also when a request failed or an output was wrong); 2 for bad
@@ -14,75 +15,27 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from kvkeep.bench import report, suite
+from kvkeep.bench.command import Command
 from kvkeep.bench.context import Setup
 from kvkeep.bench.deploy.cache import CacheSpec
 from kvkeep.bench.deploy.vllm import MODES, SCHEDULING, LaunchConfig
 from kvkeep.bench.report import tables
 from kvkeep.bench.report.environment import environment
 from kvkeep.bench.scenario import Scenario
-from kvkeep.bench.scenarios import agents, capacity, hol, restart, session, soak, store, ttft
-from kvkeep.bench.scenarios import replay as replay_scenario
+from kvkeep.bench.scenarios.registry import SCENARIOS
 from kvkeep.host.cpu_pool import WEIGHT_SUFFIXES
 from kvkeep.launch.installed_vllm import installed_vllm
-from kvkeep.traffic.workload import BENCH_CACHE_DISK, BENCH_CACHE_RAM, HFTokenizer, SessionSpec
+from kvkeep.traffic.workload import BENCH_CACHE_DISK, BENCH_CACHE_RAM
 from kvkeep.units import parse_size
 
-Output = Callable[[dict[str, Any], argparse.Namespace], int]
-
-
-@dataclass(frozen=True)
-class Command:
-    help: str
-    module: ModuleType | None  # its add_args() and build()
-    modes: str = "none,vllm"  # the default --modes (narrowed to the modes the scenarios need)
-    compare: bool = True  # the mode-comparing arguments (--endpoint, pool, --out)
-    launch: bool = True  # the vLLM and cache-server arguments
-    output: Output | None = None  # its own output, instead of the report of modes
-    document: Callable[[argparse.Namespace], dict[str, Any]] | None = None  # more to record
-
-
-COMMANDS: dict[str, Command] = {
-    "session": Command(
-        "the study's 30-turn coding-agent session (S1)", session, document=session.document
-    ),
-    "ttft": Command("one long prompt cold, then repeated (S2)", ttft, document=ttft.document),
-    "capacity": Command("more documents than the device pool (S3)", capacity),
-    "agents": Command("N concurrent closed-loop agents (S5)", agents),
-    "hol": Command("a cached request beside a large prefill (S6)", hol),
-    "replay": Command(
-        "real Claude Code sessions, closed loop (S7)", replay_scenario, modes="none,vllm,kvkeep"
-    ),
-    "restart": Command(
-        "hits and TTFT after vLLM and cache restarts (S4)", restart, modes="vllm,kvkeep"
-    ),
-    "all": Command(
-        "the study's six experiments and S7 side by side: report.md, report.html, plots",
-        None,
-        modes="none,vllm,kvkeep",
-    ),
-    "soak": Command(
-        "agents while the cache and engine are killed",
-        soak,
-        "kvkeep",
-        compare=False,
-        output=soak.output,
-    ),
-    "store": Command(
-        "cache-server and tier bandwidth",
-        store,
-        "none",
-        compare=False,
-        launch=False,
-        output=store.output,
-    ),
-}
+# `bench NAME` -> its scenario module's `Command` (`scenarios.registry`), and `bench all`.
+COMMANDS: dict[str, Command] = {c.name: c for c in (*SCENARIOS, suite.COMMAND)}
 
 
 def parse_modes(text: str) -> list[str]:
@@ -155,11 +108,7 @@ def parser(name: str) -> argparse.ArgumentParser:
             action="store_true",
             help="record and print the connector's seconds per phase (vllm:kvkeep_seconds_total)",
         )
-    if cmd.module is not None:
-        cmd.module.add_args(p)
-    else:  # bench all
-        p.add_argument("--quick", action="store_true", help="the demo's size (15-35 min, 2 cores)")
-        p.set_defaults(out=Path("kvkeep-report"))
+    cmd.add_args(p)
     return p
 
 
@@ -210,8 +159,8 @@ def _setup(name: str, args: argparse.Namespace) -> Setup:
         reserved_cpus=args.reserved_cpus,
         log_dir=args.log_dir,
     )
-    if name == "all":  # a small pool; vLLM keeps one block as its null block
-        blocks = base.num_blocks or (suite.QUICK if args.quick else suite.FULL).pool_blocks
+    if COMMANDS[name].suite:  # a small pool; vLLM keeps one block as its null block
+        blocks = base.num_blocks or suite.size(args).pool_blocks
         base = replace(base, num_blocks=blocks, max_model_len=(blocks - 1) * suite.BLOCK)
     if not getattr(args, "endpoint", None):
         base.validate()
@@ -275,23 +224,19 @@ def available_gib(meminfo: Path = Path("/proc/meminfo")) -> float | None:
 
 
 def _scenarios(name: str, args: argparse.Namespace) -> Sequence[Scenario]:
-    module = COMMANDS[name].module
-    if module is None:
-        size = suite.QUICK if args.quick else suite.FULL
-        reference = args.scheduling == "kvkeep" and "vllm" in args.modes and not args.endpoint
-        return suite.suite(size, HFTokenizer(args.model), reference)
-    return list(module.build(args))
+    return list(COMMANDS[name].build(args))
 
 
 def _document(name: str, results: suite.Results, args: argparse.Namespace) -> dict[str, Any]:
     """One scenario's document, or `bench all`'s; both record the same ``setup``, and file a
     variant ``NAME@TAG`` under NAME (`suite.by_scenario`)."""
-    if name == "all":  # {"scenarios": {name: {"scenario": name, "modes": {mode: result}}}}
-        size = suite.QUICK if args.quick else suite.FULL
+    if COMMANDS[name].suite:  # {"scenarios": {name: {"scenario": name, "modes": {...}}}}
+        size = suite.size(args)
         docs = {n: {"scenario": n, "modes": m} for n, m in suite.by_scenario(results).items()}
-        docs["session"]["spec"] = {"turns": SessionSpec().turns, "scale": size.session_scale}
+        for n, record in suite.records(size).items():
+            docs[n].update(record)
         setup = _setup_record(args, args.num_blocks or size.pool_blocks)
-        return {"scenarios": docs, "setup": {"size": "quick" if args.quick else "full", **setup}}
+        return {"scenarios": docs, "setup": {"size": size.name, **setup}}
     setup = _setup_record(args, args.num_blocks)
     doc: dict[str, Any] = {"scenario": name, "modes": {}, "setup": setup}
     for scenario, by_mode in suite.by_scenario(results).items():

@@ -1,20 +1,15 @@
 """When is a reply served with kvkeep's KV right? The one criterion every comparison uses
-(the README's "What 'correct' means" gives the reasons; here are its exact terms).
+(the README's "What 'correct' means" gives the reasons; docs/notes/bench-criterion.md the
+full terms and the measurements behind them).
 
 1. ``same_as_hit``: equal to vLLM's own prefix-cache hit on the same prompt and the same KV,
-   tokens and logprobs (``EXACT_TOL`` only absorbs JSON float formatting).
-2. ``same_as_cold``: equal to a cold run up to the drift of vLLM's own prefix cache (the same
-   sums in another order; bf16 logits carry 8 bits of mantissa, about 0.03 at a logit of 4):
-   logprobs within ``DRIFT_TOL`` where the tokens agree, and a token may differ only at a tie,
-   where either reply lists the other's token among its best ``TOP_ALTERNATIVES`` within
-   ``DRIFT_TOL`` of its own (bf16 ties are often three-way, so two are not enough), at a
-   logprob within ``DRIFT_TOL`` of the one the other reply gave it. Nothing after such a
-   tie is compared: from there on the histories differ.
-
-A wrong KV block moves logprobs by far more (0.5 to several nats on the tiny model) at
-positions that are no tie (``test_a_wrong_block_changes_the_reply`` in
-``tests/e2e/test_correctness.py``). Rule 1 holds only against a hit on the copy kvkeep kept
-(the first of a block vLLM computes twice), so tests that use it compute no block twice.
+   tokens and logprobs (``EXACT_TOL`` only absorbs JSON float formatting). It holds only
+   against a hit on the copy kvkeep kept (the first of a block vLLM computes twice).
+2. ``same_as_cold``: equal to a cold run up to the drift of vLLM's own prefix cache: logprobs
+   within ``DRIFT_TOL`` where the tokens agree, and a token may differ only at a tie, where
+   either reply lists the other's token among its best ``TOP_ALTERNATIVES`` within
+   ``DRIFT_TOL`` of its own, at a logprob within ``DRIFT_TOL`` of the one the other reply
+   gave it. Nothing after such a tie is compared: from there on the histories differ.
 """
 
 from __future__ import annotations
@@ -24,8 +19,11 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 EXACT_TOL = 1e-4
+# the same sums in another order: bf16 logits carry 8 bits of mantissa, about 0.03 at a logit
+# of 4; a wrong KV block moves logprobs by 0.5 to several nats on the tiny model
 DRIFT_TOL = 0.1
-TOP_ALTERNATIVES = 5  # ask the server for this many top_logprobs
+# ask the server for this many top_logprobs: bf16 ties are often three-way, so two are not enough
+TOP_ALTERNATIVES = 5
 
 
 class Reply(NamedTuple):

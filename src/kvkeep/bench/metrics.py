@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from kvkeep.bench.result import FLAT
+from kvkeep.bench.result import flat_suffix
 
 # vLLM metrics the instrument reads (counters, in tokens), summed over their labels.
 VLLM_COUNTERS = (
@@ -160,7 +160,7 @@ class HitRates:
     hit_rate: float = 0.0
     device_hit_rate: float = 0.0
     external_hit_rate: float = 0.0
-    tiers: dict[str, float] = field(default_factory=dict, metadata=FLAT)
+    tiers: dict[str, float] = field(default_factory=dict, metadata=flat_suffix("_hit_rate"))
 
     def get(self, key: str) -> float:
         """A rate by its JSON key (a tier's missing rate reads as 0)."""

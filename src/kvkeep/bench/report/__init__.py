@@ -1,15 +1,17 @@
 """Reports from a results document (its shapes: `results.py`): `report.md`, `report.html`,
 `results.json` and PNG files, the same from a saved results.json. Every number in a table is
 measured in the run that produced the document, except the column headed "study", which quotes
-the published study the benchmark reproduces."""
+the published study the benchmark reproduces. Which table and plots a result gets, and the
+claims' rows, each scenario's `Command` says (`scenarios.registry`)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
-from kvkeep.bench.report import plots, tables
+from kvkeep.bench.report import tables
 from kvkeep.bench.report.environment import markdown as env_markdown
 from kvkeep.bench.report.html import html
 from kvkeep.bench.report.results import errors, scenarios
@@ -19,9 +21,13 @@ __all__ = ["errors", "markdown", "scenarios", "write_report"]
 
 def markdown(doc: dict[str, Any]) -> str:
     """The report's tables, one section per scenario, as Markdown."""
-    parts = [tables.TABLES[name](d) for name, d in scenarios(doc).items() if name in tables.TABLES]
+    registry = _registry()
+    sections = registry.sections()
+    parts = [
+        s.table(d) for name, d in scenarios(doc).items() if (s := sections.get(name)) and s.table
+    ]
     if "scenarios" in doc and len(parts) > 2:
-        parts.insert(0, tables.claims_table(doc))
+        parts.insert(0, tables.claims_table(doc, registry.claims()))
     if isinstance(doc.get("environment"), dict):
         parts.append(env_markdown(doc["environment"]))
     failed = errors(doc)
@@ -36,14 +42,21 @@ def write_report(doc: dict[str, Any], out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
     paths: list[Path] = []
-    docs = scenarios(doc)
+    docs, sections = scenarios(doc), _registry().sections()
     for name, d in docs.items():
-        if name == "agents":
-            paths += plots.plot_agents(d, out, docs.get("agents_fit"))
-        elif name in plots.PLOTS:
-            paths += plots.PLOTS[name](d, out)
+        s = sections.get(name)
+        if s is not None and s.plot is not None:
+            paths += s.plot(d, out, *((docs.get(s.beside),) if s.beside else ()))
     body = "# kvkeep bench report\n\n" + markdown(doc)
     body += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in paths) + "\n"
     (out / "report.md").write_text(body)
     (out / "report.html").write_text(html(body, paths))
     return [out / "report.md", out / "results.json", out / "report.html", *paths]
+
+
+def _registry() -> ModuleType:
+    """The scenarios' registry, imported at call time: the scenario modules import the
+    report's tables and plots, so this package must not import them while it loads."""
+    from kvkeep.bench.scenarios import registry
+
+    return registry

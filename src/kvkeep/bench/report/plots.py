@@ -1,9 +1,10 @@
-"""The report's PNG plots, one function per scenario (`PLOTS`; `plot_agents` takes the fit run)."""
+"""The report's PNG plots, one function per scenario (its `Command` names it; `plot_agents`
+also takes the run whose working set fits)."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -166,12 +167,3 @@ def plot_replay(doc: dict[str, Any], out: Path) -> list[Path]:
         if ax.get_legend_handles_labels()[0]:
             ax.legend()
     return [cdf, over_time]
-
-
-PLOTS: dict[str, Callable[[dict[str, Any], Path], list[Path]]] = {
-    "restart": plot_restart,
-    "session": plot_session,
-    "ttft": plot_ttft,
-    "capacity": plot_capacity,
-    "replay": plot_replay,
-}

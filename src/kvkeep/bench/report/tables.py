@@ -1,7 +1,8 @@
-"""One Markdown table per scenario (`TABLES`), and the study's claims side by side.
+"""One Markdown table per scenario, and the study's claims side by side.
 
-Most tables are a row per mode and a column per result field: a `Table` of `Column`s. A
-column names the field by its key in the results (the result dataclass's field name).
+Each scenario module's `Command` names its tables (``sections``) and its claims' rows. Most
+tables are a row per mode and a column per result field: a `Table` of `Column`s. A column
+names the field by its key in the results (the result dataclass's field name).
 """
 
 from __future__ import annotations
@@ -10,10 +11,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from kvkeep.bench.command import Claim, Format
 from kvkeep.bench.report.results import _raw_scenarios, scenarios
 from kvkeep.vllm.counters import PROFILE_NAMES
-
-Format = Callable[[Any], str]
 
 
 def _fmt(pattern: str, value: Callable[[Any], Any] = float) -> Format:
@@ -21,8 +21,8 @@ def _fmt(pattern: str, value: Callable[[Any], Any] = float) -> Format:
     return lambda v: "-" if v is None else pattern.format(value(v))
 
 
-_int, _s, _x, _f1 = _fmt("{:,}", int), _fmt("{:.3f} s"), _fmt("{:.1f}x"), _fmt("{:.1f}")
-_pct = _fmt("{:.1f}%", lambda v: 100 * float(v))
+count, secs, times, one_place = _fmt("{:,}", int), _fmt("{:.3f} s"), _fmt("{:.1f}x"), _fmt("{:.1f}")
+pct = _fmt("{:.1f}%", lambda v: 100 * float(v))
 
 
 def _table(header: list[str], rows: Iterable[list[str]]) -> str:
@@ -35,7 +35,7 @@ def _table(header: list[str], rows: Iterable[list[str]]) -> str:
 class Column:
     label: str
     key: str
-    fmt: Format = _s
+    fmt: Format = secs
 
 
 @dataclass(frozen=True)
@@ -63,14 +63,14 @@ def _first(doc: dict[str, Any]) -> dict[str, Any]:
 
 # The study's figures (30-turn coding-agent session on a GPU; see DESIGN.md, S1 and S2).
 SESSION_ROWS: tuple[tuple[str, str, Format, str], ...] = (
-    ("last_turn_prompt_tokens", "last turn: prompt tokens", _int, "~115k"),
-    ("total_prompt_tokens", "total prompt tokens (30 turns)", _int, ">2M"),
-    ("total_computed_tokens", "total tokens computed (re-read)", _int, ""),
-    ("max_turn_computed_tokens", "most tokens computed in one turn", _int, "<=~10k (cached)"),
-    ("reread_ratio", "prompt / computed", _x, "14x"),
-    ("ttft_mean_s", "mean TTFT", _s, ""),
-    ("last_turn_ttft_s", "last turn TTFT", _s, ""),
-    ("session_s", "session wall time", _s, ""),
+    ("last_turn_prompt_tokens", "last turn: prompt tokens", count, "~115k"),
+    ("total_prompt_tokens", "total prompt tokens (30 turns)", count, ">2M"),
+    ("total_computed_tokens", "total tokens computed (re-read)", count, ""),
+    ("max_turn_computed_tokens", "most tokens computed in one turn", count, "<=~10k (cached)"),
+    ("reread_ratio", "prompt / computed", times, "14x"),
+    ("ttft_mean_s", "mean TTFT", secs, ""),
+    ("last_turn_ttft_s", "last turn TTFT", secs, ""),
+    ("session_s", "session wall time", secs, ""),
 )
 
 
@@ -92,7 +92,7 @@ def ttft_table(doc: dict[str, Any]) -> str:
     modes = doc["modes"]
     sizes = sorted({int(s) for m in modes.values() for s in m["sizes"]})
     rows = [
-        [f"{size:,}", m, _s(r.get("cold_s")), _s(r.get("warm_s")), _x(r.get("speedup"))]
+        [f"{size:,}", m, secs(r.get("cold_s")), secs(r.get("warm_s")), times(r.get("speedup"))]
         for size in sizes
         for m, res in modes.items()
         for r in [res["sizes"].get(str(size), {})]
@@ -115,9 +115,9 @@ def capacity_table(doc: dict[str, Any]) -> str:
         "Study: device hit rate 0%; CPU offload >99% at 164 ms.\n\n"
     )
     columns = (
-        Column("hit rate (all tiers)", "hit_rate", _pct),
-        Column("device", "device_hit_rate", _pct),
-        *(Column(t.removesuffix("_hit_rate"), t, _pct) for t in tiers),
+        Column("hit rate (all tiers)", "hit_rate", pct),
+        Column("device", "device_hit_rate", pct),
+        *(Column(t.removesuffix("_hit_rate"), t, pct) for t in tiers),
         Column("TTFT", "ttft_s"),
     )
     return Table(head, columns)(doc)
@@ -137,10 +137,10 @@ def _agents_head(doc: dict[str, Any]) -> str:
 agents_table = Table(
     _agents_head,
     (
-        Column("turns/min", "turns_per_min", _f1),
+        Column("turns/min", "turns_per_min", one_place),
         Column("mean wait", "mean_wait_s"),
         Column("late-turn wait", "late_turn_wait_s"),
-        Column("cached", "cached_fraction", _pct),
+        Column("cached", "cached_fraction", pct),
         Column("working set / pool", "working_set_over_pool", lambda v: f"{v or 0:.2f}"),
     ),
 )
@@ -150,10 +150,10 @@ hol_table = Table(
     (
         Column("cached alone", "ttft_alone_s"),
         Column("beside prefill", "ttft_beside_prefill_s"),
-        Column("ratio", "ratio", _x),
+        Column("ratio", "ratio", times),
         Column("prefill alone", "long_prefill_alone_s"),
         Column("beside cached", "long_prefill_ttft_s"),
-        Column("ratio", "long_prefill_ratio", _x),
+        Column("ratio", "long_prefill_ratio", times),
         Column("prefill budget", "max_num_batched_tokens", lambda v: str(v or "default")),
         Column(
             "long-prefill threshold", "long_prefill_token_threshold", lambda v: str(v or "none")
@@ -171,13 +171,13 @@ restart_table = Table(
     (
         Column("cold", "cold_ttft_s"),
         Column("warm", "warm_ttft_s"),
-        Column("hits after vLLM restart", "after_engine_restart_hit_rate", _pct),
+        Column("hits after vLLM restart", "after_engine_restart_hit_rate", pct),
         Column("TTFT", "after_engine_restart_ttft_s"),
         Column("device hits just after", "after_engine_restart_device_ttft_s"),
         Column(
             "hits after cache server restart (SIGTERM, SIGKILL)",
             "after_server_restart_hit_rate",
-            _pct,
+            pct,
         ),
         Column("TTFT", "after_server_sigkill_ttft_s"),
         Column("vLLM restart to ready", "restart_ready_s"),
@@ -188,10 +188,10 @@ restart_table = Table(
 replicas_table = Table(
     "### Agents over replicas, turns routed round-robin\n\n",
     (
-        Column("turns/min", "turns_per_min", _f1),
-        Column("hit rate", "hit_rate", _pct),
-        Column("device", "device_hit_rate", _pct),
-        Column("remote", "remote_hit_rate", _pct),
+        Column("turns/min", "turns_per_min", one_place),
+        Column("hit rate", "hit_rate", pct),
+        Column("device", "device_hit_rate", pct),
+        Column("remote", "remote_hit_rate", pct),
         Column("mean TTFT", "mean_ttft_s"),
     ),
     first="store",
@@ -203,7 +203,7 @@ remote_restart_table = Table(
         Column("cold", "cold_ttft_s"),
         Column("RAM hit", "ram_ttft_s"),
         Column("remote hit", "remote_ttft_s"),
-        Column("remote hit rate", "remote_hit_rate", _pct),
+        Column("remote hit rate", "remote_hit_rate", pct),
         Column("KV bytes/token", "kv_bytes_per_token", _fmt("{}", str)),
     ),
 )
@@ -223,90 +223,17 @@ def _replay_head(doc: dict[str, Any]) -> str:
 replay_table = Table(
     _replay_head,
     (
-        Column("prompt tokens", "prompt_tokens", _int),
-        Column("cached: device", "device_cached_tokens", _int),
-        Column("cached: kvkeep", "kvkeep_cached_tokens", _int),
-        Column("computed", "computed_tokens", _int),
-        Column("hit rate", "hit_rate", _pct),
+        Column("prompt tokens", "prompt_tokens", count),
+        Column("cached: device", "device_cached_tokens", count),
+        Column("cached: kvkeep", "kvkeep_cached_tokens", count),
+        Column("computed", "computed_tokens", count),
+        Column("hit rate", "hit_rate", pct),
         Column("TTFT p50", "ttft_p50_s"),
         Column("p90", "ttft_p90_s"),
         Column("p99", "ttft_p99_s"),
-        Column("requests/min", "requests_per_min", _f1),
+        Column("requests/min", "requests_per_min", one_place),
         Column("session wall", "session_wall_s_mean"),
     ),
-)
-
-# (claim, the study's figure, scenario, key path in its result, format)
-CLAIMS: tuple[tuple[str, str, str, tuple[str, ...], Format], ...] = (
-    (
-        "S1 last turn: tokens computed",
-        "115k -> <=10k",
-        "session",
-        ("last_turn_computed_tokens",),
-        _int,
-    ),
-    (
-        "S1 session: tokens computed in total",
-        ">2M -> ~145k",
-        "session",
-        ("total_computed_tokens",),
-        _int,
-    ),
-    ("S1 prompt / computed", "14x", "session", ("reread_ratio",), _x),
-    (
-        "S2 TTFT, {big:,}-token prompt again",
-        "1.35 s -> ~120 ms",
-        "ttft",
-        ("sizes", "{big}", "warm_s"),
-        _s,
-    ),
-    ("S3 device hit rate, docs 4x pool", "0%", "capacity", ("device_hit_rate",), _pct),
-    ("S3 hit rate, all tiers", ">99% (offload)", "capacity", ("hit_rate",), _pct),
-    ("S3 TTFT", "164 ms", "capacity", ("ttft_s",), _s),
-    (
-        "S4 hit rate after vLLM restart",
-        "0% native, 99.9% LMCache",
-        "restart",
-        ("after_engine_restart_hit_rate",),
-        _pct,
-    ),
-    (
-        "S4 TTFT after vLLM restart",
-        "141 ms (LMCache)",
-        "restart",
-        ("after_engine_restart_ttft_s",),
-        _s,
-    ),
-    (
-        "S4 hit rate after cache-server restart",
-        "(not measured)",
-        "restart",
-        ("after_server_restart_hit_rate",),
-        _pct,
-    ),
-    ("S4 vLLM restart to ready", "+20-30 s with LMCache", "restart", ("restart_ready_s",), _s),
-    ("S5 turns/min, agents > pool", "~8 -> ~60", "agents", ("turns_per_min",), _f1),
-    ("S5 late-turn wait", "104 s -> 2.1 s", "agents", ("late_turn_wait_s",), _s),
-    ("S6 cached TTFT beside a big prefill / alone", "'still waits'", "hol", ("ratio",), _x),
-    (
-        "S6 the big prefill's TTFT beside it / alone",
-        "(not measured)",
-        "hol",
-        ("long_prefill_ratio",),
-        _x,
-    ),
-    # S7's "study" figures quote issue 15's LRU simulation of 40 real sessions (94% with
-    # 3.2M tokens of room, 17% with 320k), not a measurement.
-    (
-        "S7 real coding-agent sessions: hit rate",
-        "94% with room, 17% without",
-        "replay",
-        ("hit_rate",),
-        _pct,
-    ),
-    ("S7 device hit rate (working set >= 3x pool)", "-", "replay", ("device_hit_rate",), _pct),
-    ("S7 TTFT p50", "-", "replay", ("ttft_p50_s",), _s),
-    ("S7 TTFT p99", "-", "replay", ("ttft_p99_s",), _s),
 )
 
 
@@ -316,9 +243,9 @@ def _get(node: Any, path: Iterable[str]) -> Any:
     return node
 
 
-def claims_table(doc: dict[str, Any]) -> str:
-    """One row per claim of the study: its figure, then each mode measured in this run
-    ("-" where that mode did not measure it)."""
+def claims_table(doc: dict[str, Any], claims: Iterable[Claim]) -> str:
+    """One row per claim of the study (in the order given): its figure, then each mode
+    measured in this run ("-" where that mode did not measure it)."""
     docs = scenarios(doc)
     raw = _raw_scenarios(doc).values()
     modes = list(dict.fromkeys(m for d in raw for m in d["modes"]))
@@ -326,31 +253,17 @@ def claims_table(doc: dict[str, Any]) -> str:
     big = max(sizes, default=0)
     rows = [
         [
-            claim.format(big=big),
-            study,
+            c.label.format(big=big),
+            c.study,
             *(
-                fmt(_get(docs, (name, "modes", m, *(p.format(big=big) for p in path))))
+                c.fmt(_get(docs, (c.scenario, "modes", m, *(p.format(big=big) for p in c.path))))
                 for m in modes
             ),
         ]
-        for claim, study, name, path, fmt in CLAIMS
+        for c in claims
     ]
     head = "## The study's claims, measured side by side\n\n"
     return head + _table(["claim", "study", *modes], rows)
-
-
-TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
-    "agents_replicas": replicas_table,
-    "restart_remote": remote_restart_table,
-    "restart": restart_table,
-    "session": session_table,
-    "ttft": ttft_table,
-    "capacity": capacity_table,
-    "agents": agents_table,
-    "agents_fit": agents_table,
-    "hol": hol_table,
-    "replay": replay_table,
-}
 
 
 # The connector's phases (`vllm:kvkeep_seconds_total{op=...}`), then its whole load and save.
@@ -377,7 +290,7 @@ def profile_table(doc: dict[str, Any]) -> str:
                 f"{1e3 * prof.get(op, 0.0):.0f} / {1e3 * prof.get(op, 0.0) / n:.1f}"
                 for op in PROFILE_OPS
             ]
-            rows.append([name, mode, _int(prof.get("requests")), *cells])
+            rows.append([name, mode, count(prof.get("requests")), *cells])
     head = (
         "### Connector profile (ms in total / ms per request; `load` and `save` are the "
         "worker's whole step phases, the others their parts; `saver_cpu` is the saver "

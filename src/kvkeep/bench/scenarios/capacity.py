@@ -20,9 +20,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from kvkeep.bench.command import Claim, Command, InSuite, Section, SuiteRun
 from kvkeep.bench.context import RunContext
 from kvkeep.bench.metrics import HitRates, Probe, mean_rates
 from kvkeep.bench.prompts import documents, query
+from kvkeep.bench.report.plots import plot_capacity
+from kvkeep.bench.report.tables import capacity_table, pct, secs
 from kvkeep.bench.result import FLAT
 from kvkeep.bench.scenario import Needs
 from kvkeep.plan.footprint import footprint_from_file
@@ -179,3 +182,35 @@ def build(args: argparse.Namespace) -> list[CapacityScenario]:
     )
     spec.validate()
     return [CapacityScenario(spec)]
+
+
+@dataclass(frozen=True)
+class InSuiteCapacity:
+    """S3's knobs in `bench all`, on the suite's pool."""
+
+    doc_tokens: int
+    rounds: int
+
+
+def _in_suite(size: InSuiteCapacity, run: SuiteRun) -> list[CapacityScenario]:
+    spec = CapacitySpec(pool_blocks=run.pool_blocks, doc_tokens=size.doc_tokens, rounds=size.rounds)
+    return [CapacityScenario(spec)]
+
+
+COMMAND = Command(
+    name="capacity",
+    help="more documents than the device pool (S3)",
+    add_args=add_args,
+    build=build,
+    sections={"capacity": Section(CapacityResult, capacity_table, plot_capacity)},
+    claims=(
+        Claim("S3 device hit rate, docs 4x pool", "0%", "capacity", ("device_hit_rate",), pct),
+        Claim("S3 hit rate, all tiers", ">99% (offload)", "capacity", ("hit_rate",), pct),
+        Claim("S3 TTFT", "164 ms", "capacity", ("ttft_s",), secs),
+    ),
+    in_suite=InSuite(
+        quick=InSuiteCapacity(doc_tokens=2048, rounds=2),
+        full=InSuiteCapacity(doc_tokens=4096, rounds=3),
+        runs={40: _in_suite},
+    ),
+)

@@ -22,9 +22,11 @@ from dataclasses import dataclass
 
 import httpx
 
+from kvkeep.bench.command import Claim, Command, InSuite, Section
 from kvkeep.bench.context import RunContext
 from kvkeep.bench.deploy.vllm import build_command
 from kvkeep.bench.prompts import reset_device_cache
+from kvkeep.bench.report.tables import hol_table, times
 from kvkeep.bench.scenario import Needs, parse_sizes
 from kvkeep.launch.serve import flag_value
 from kvkeep.traffic.endpoint import StreamStats, complete_ids, discover_model
@@ -168,3 +170,33 @@ def build(args: argparse.Namespace) -> list[HOLScenario]:
 def reference(short_tokens: int, long_tokens: int) -> HOLScenario:
     """Mode vllm with vLLM's own scheduling defaults, filed as ``vllm@vllm-defaults``."""
     return HOLScenario(short_tokens, long_tokens, name="hol@vllm-defaults", vllm_defaults=True)
+
+
+COMMAND = Command(
+    name="hol",
+    help="a cached request beside a large prefill (S6)",
+    add_args=add_args,
+    build=build,
+    sections={"hol": Section(HOLResult, hol_table)},
+    claims=(
+        Claim(
+            "S6 cached TTFT beside a big prefill / alone", "'still waits'", "hol", ("ratio",), times
+        ),
+        Claim(
+            "S6 the big prefill's TTFT beside it / alone",
+            "(not measured)",
+            "hol",
+            ("long_prefill_ratio",),
+            times,
+        ),
+    ),
+    # knobs: the large prompt's tokens; the reference runs last, on its own deployment
+    in_suite=InSuite(
+        quick=8192,
+        full=16384,
+        runs={
+            30: lambda long, _: [HOLScenario(short_tokens=1024, long_tokens=long)],
+            80: lambda long, run: [reference(1024, long)] if run.reference else [],
+        },
+    ),
+)

@@ -23,11 +23,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvkeep.bench.command import Claim, Command, InSuite, Section
 from kvkeep.bench.context import RunContext
 from kvkeep.bench.metrics import mean_rates
 from kvkeep.bench.prompts import Queried, documents, query, reset_device_cache
+from kvkeep.bench.report.plots import plot_restart
+from kvkeep.bench.report.tables import pct, remote_restart_table, restart_table, secs
 from kvkeep.bench.scenario import Needs
 from kvkeep.plan.footprint import footprint_from_file
+from kvkeep.plan.replay import ENGINE_BLOCK_TOKENS
 from kvkeep.traffic.workload import QUESTION_TOKENS, random_ids
 
 
@@ -286,3 +290,69 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def build(args: argparse.Namespace) -> list[RestartScenario | RemoteRestartScenario]:
     spec = RestartSpec(docs=args.docs, doc_tokens=args.doc_tokens, restarts=args.restarts)
     return [RestartScenario(spec) if args.remote is None else RemoteRestartScenario(spec)]
+
+
+@dataclass(frozen=True)
+class InSuiteRestart:
+    """S4's knobs in `bench all`."""
+
+    docs: int
+    doc_tokens: int
+
+
+def suite_spec(size: InSuiteRestart) -> RestartSpec:
+    """S4 in `bench all`, on a pool of its own that holds all its documents (each with one
+    more block for its question and reply, and 8 spare): a mean over 2 timed documents moved
+    by half between runs."""
+    blocks = -(-size.doc_tokens // ENGINE_BLOCK_TOKENS) + 1
+    return RestartSpec(
+        docs=size.docs, doc_tokens=size.doc_tokens, pool_blocks=size.docs * blocks + 8
+    )
+
+
+COMMAND = Command(
+    name="restart",
+    help="hits and TTFT after vLLM and cache restarts (S4)",
+    add_args=add_args,
+    build=build,
+    modes="vllm,kvkeep",
+    sections={
+        "restart": Section(RestartResult, restart_table, plot_restart),
+        "restart_remote": Section(RemoteRestartResult, remote_restart_table),
+    },
+    claims=(
+        Claim(
+            "S4 hit rate after vLLM restart",
+            "0% native, 99.9% LMCache",
+            "restart",
+            ("after_engine_restart_hit_rate",),
+            pct,
+        ),
+        Claim(
+            "S4 TTFT after vLLM restart",
+            "141 ms (LMCache)",
+            "restart",
+            ("after_engine_restart_ttft_s",),
+            secs,
+        ),
+        Claim(
+            "S4 hit rate after cache-server restart",
+            "(not measured)",
+            "restart",
+            ("after_server_restart_hit_rate",),
+            pct,
+        ),
+        Claim(
+            "S4 vLLM restart to ready",
+            "+20-30 s with LMCache",
+            "restart",
+            ("restart_ready_s",),
+            secs,
+        ),
+    ),
+    in_suite=InSuite(
+        quick=InSuiteRestart(docs=8, doc_tokens=4096),
+        full=InSuiteRestart(docs=6, doc_tokens=8192),
+        runs={60: lambda size, _: [RestartScenario(suite_spec(size))]},
+    ),
+)

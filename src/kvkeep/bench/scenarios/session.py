@@ -14,9 +14,12 @@ from typing import Any
 
 from tqdm import tqdm
 
+from kvkeep.bench.command import Claim, Command, InSuite, Section, SuiteRun
 from kvkeep.bench.context import RunContext
 from kvkeep.bench.http import TurnResult, run_agents
 from kvkeep.bench.metrics import metrics_delta, vllm_counters
+from kvkeep.bench.report.plots import plot_session
+from kvkeep.bench.report.tables import count, session_table, times
 from kvkeep.bench.scenario import Needs
 from kvkeep.traffic.workload import (
     CharEstimate,
@@ -142,3 +145,41 @@ def build(args: argparse.Namespace) -> list[SessionScenario]:
 
 def document(args: argparse.Namespace) -> dict[str, Any]:
     return {"spec": asdict(session_spec(args))}
+
+
+def _in_suite(scale: float, run: SuiteRun) -> list[SessionScenario]:
+    return [SessionScenario(SessionSpec(scale=scale), run.counter)]
+
+
+COMMAND = Command(
+    name="session",
+    help="the study's 30-turn coding-agent session (S1)",
+    add_args=add_args,
+    build=build,
+    document=document,
+    sections={"session": Section(SessionResult, session_table, plot_session)},
+    claims=(
+        Claim(
+            "S1 last turn: tokens computed",
+            "115k -> <=10k",
+            "session",
+            ("last_turn_computed_tokens",),
+            count,
+        ),
+        Claim(
+            "S1 session: tokens computed in total",
+            ">2M -> ~145k",
+            "session",
+            ("total_computed_tokens",),
+            count,
+        ),
+        Claim("S1 prompt / computed", "14x", "session", ("reread_ratio",), times),
+    ),
+    # knobs: the session's scale
+    in_suite=InSuite(
+        quick=0.1,
+        full=0.25,
+        runs={10: _in_suite},
+        record=lambda scale: {"spec": {"turns": SessionSpec().turns, "scale": scale}},
+    ),
+)

@@ -1,31 +1,15 @@
 """`kvkeep bench soak --minutes M`: agents on kvkeep while the cache server and vLLM die.
 
-For M minutes, N closed-loop coding agents replay their sessions (turn 0..T-1, again and
-again) against vLLM in mode kvkeep, while the faults of `soak_faults.schedule` run beside
-them: the cache server is SIGKILLed and started again on the same directory (RAM is lost, the
-disk tier survives; with ``corrupt``, disk bytes are flipped while it is down and while it
-runs), and vLLM itself is restarted.
+For M minutes, N closed-loop coding agents replay their sessions against vLLM in mode kvkeep
+while `soak_faults.schedule`'s faults run beside them: cache-server SIGKILLs (RAM is lost, the
+disk tier survives; with ``corrupt``, disk bytes are flipped), vLLM restarts, and faults at a
+restarted vLLM's first kvkeep load (`SoakSpec.ready_faults`). Every reply is judged against
+its prompt's no-cache reference by `kvkeep.bench.criterion.same_as_cold`.
 
-What it reports:
-
-- ``failed_requests``: requests that did not complete while vLLM was up (must be 0: a dead,
-  slow or corrupt cache costs speed, never a request). A request cut by a *vLLM* restart is
-  no fault of kvkeep: it is counted in ``requests_lost_to_engine_restart`` and retried.
-- ``wrong_outputs``: replies wrong by `kvkeep.bench.criterion`'s rule for a cold reference
-  (``same_as_cold``: under concurrent agents a turn's KV comes from differently batched and
-  chunked steps, so the exact rule is for the end-to-end tests). Each distinct prompt's
-  reference is computed before the clock starts, under a fresh random ``cache_salt``, which
-  roots vLLM's and kvkeep's block hashes where nothing is cached. ``replies_compared``,
-  ``tokens_compared``, ``ties_broken`` and ``max_logprob_diff`` say how much was judged.
-- the ready faults (`SoakSpec.ready_faults`): ``ready_faults`` struck right after a vLLM
-  restart between the first LOOKUP and its ACQUIRE (``ready_faults_missed``: no ACQUIRE
-  came), and what the connector's guard did about failed loads meanwhile, summed over vLLM's
-  lifetimes (``guard``: admissions deferred over unconfirmed loads, blocks evicted after a
-  failed load, loads made asynchronous for want of an eviction, failed evictions, failed
-  asynchronous loads);
-- the hit rate per time window (cached prompt tokens from vLLM's usage, and blocks kvkeep's
-  server served), and the private RSS of the cache server and of vLLM's process tree over
-  time, with its growth within a lifetime (`soak_faults.rss_growth`).
+Its contract (exit 1 otherwise): ``failed_requests`` is 0 (a dead, slow or corrupt cache costs
+speed, never a request; one cut by a vLLM restart is counted in
+``requests_lost_to_engine_restart`` and retried) and ``wrong_outputs`` is 0. Every figure of
+`SoakResult`, and how it is measured: docs/notes/bench-soak.md.
 """
 
 from __future__ import annotations
@@ -45,6 +29,7 @@ from typing import Any, NamedTuple
 
 import httpx
 
+from kvkeep.bench.command import Command
 from kvkeep.bench.context import RunContext
 from kvkeep.bench.criterion import DRIFT_TOL, TOP_ALTERNATIVES, Verdict, same_as_cold, token_id
 from kvkeep.bench.criterion import Reply as Judged
@@ -400,3 +385,14 @@ def output(doc: dict[str, Any], args: argparse.Namespace) -> int:
         png = plot(doc, args.json.with_suffix(".png"))
         print(f"JSON written to {args.json}, plot {png}", file=sys.stderr)
     return 0 if doc["failed_requests"] == 0 and doc["wrong_outputs"] == 0 else 1
+
+
+COMMAND = Command(
+    name="soak",
+    help="agents while the cache and engine are killed",
+    add_args=add_args,
+    build=build,
+    modes="kvkeep",
+    compare=False,
+    output=output,
+)

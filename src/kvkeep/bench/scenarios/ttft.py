@@ -21,8 +21,11 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
+from kvkeep.bench.command import Claim, Command, InSuite, Section
 from kvkeep.bench.context import RunContext
 from kvkeep.bench.metrics import kvkeep_tokens
+from kvkeep.bench.report.plots import plot_ttft
+from kvkeep.bench.report.tables import secs, ttft_table
 from kvkeep.bench.result import FLAT
 from kvkeep.bench.scenario import Needs, parse_sizes
 from kvkeep.traffic.endpoint import StreamStats, complete_ids, discover_model
@@ -164,3 +167,28 @@ def build(args: argparse.Namespace) -> list[TTFTScenario]:
 
 def document(args: argparse.Namespace) -> dict[str, Any]:
     return {"setup": {"restart": args.restart}}
+
+
+COMMAND = Command(
+    name="ttft",
+    help="one long prompt cold, then repeated (S2)",
+    add_args=add_args,
+    build=build,
+    document=document,
+    sections={"ttft": Section(TTFTResult, ttft_table, plot_ttft)},
+    claims=(
+        Claim(
+            "S2 TTFT, {big:,}-token prompt again",
+            "1.35 s -> ~120 ms",
+            "ttft",
+            ("sizes", "{big}", "warm_s"),
+            secs,
+        ),
+    ),
+    # knobs: the prompt sizes
+    in_suite=InSuite(
+        quick=(2048, 8192),
+        full=(4096, 16384),
+        runs={20: lambda sizes, _: [TTFTScenario(sizes=sizes)]},
+    ),
+)

@@ -1,0 +1,93 @@
+"""`Command`: all that `kvkeep bench NAME` is, declared once, in its scenario module.
+
+Each scenario module exports one ``COMMAND``; `scenarios.registry` lists them, and the
+parser (`cli.COMMANDS`), the report's tables, plots and claims (`registry.sections`,
+`registry.claims`) and `bench all`'s sizes (`suite.QUICK`, `suite.FULL`) are read off that
+list. A command's ``sections`` are its results as the report shows them, by the name the
+results file them under (a variant ``NAME@TAG`` under NAME); ``in_suite`` its part of
+`bench all`. Pure declarations: nothing here runs a scenario or draws a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from kvkeep.bench.scenario import Scenario
+from kvkeep.plan.replay import ENGINE_BLOCK_TOKENS
+from kvkeep.traffic.workload import TokenCounter
+
+Output = Callable[[dict[str, Any], argparse.Namespace], int]
+Format = Callable[[Any], str]
+K = TypeVar("K")  # a scenario's knobs at one size of `bench all`
+
+
+@dataclass(frozen=True)
+class Section:
+    """One result name's part of the report: its result dataclass (the JSON it reads, by
+    `result.to_json`), its Markdown table, and its plots; ``beside``: another result name
+    whose document the plot draws beside this one (S5's run whose working set fits)."""
+
+    result: type
+    table: Callable[[dict[str, Any]], str] | None = None
+    plot: Callable[..., list[Path]] | None = None
+    beside: str | None = None
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A row of the study's claims: its label, the study's figure, and where each mode's
+    figure is in ``scenario``'s result (``{big}`` in the label and path: S2's largest size)."""
+
+    label: str
+    study: str
+    scenario: str
+    path: tuple[str, ...]
+    fmt: Format
+
+
+@dataclass(frozen=True)
+class SuiteRun:
+    """What every part of one `bench all` shares: the device pool (blocks), the tokenizer
+    that sizes the sessions, and whether vLLM's own scheduling is measured beside
+    `kvkeep serve`'s (mode vllm runs, not against an endpoint)."""
+
+    pool_blocks: int
+    counter: TokenCounter
+    reference: bool = True
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.pool_blocks * ENGINE_BLOCK_TOKENS
+
+
+@dataclass(frozen=True)
+class InSuite(Generic[K]):
+    """A scenario's part of `bench all`: its knobs at each size, and ``runs``: {place in the
+    suite's run order (lower first): the scenarios the knobs make}; ``record``: more for its
+    document in the results."""
+
+    quick: K
+    full: K
+    runs: Mapping[int, Callable[[K, SuiteRun], Sequence[Scenario]]]
+    record: Callable[[K], dict[str, Any]] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Command:
+    name: str
+    help: str
+    add_args: Callable[[argparse.ArgumentParser], None]
+    build: Callable[[argparse.Namespace], Sequence[Scenario]]  # raises ValueError
+    modes: str = "none,vllm"  # the default --modes (narrowed to the modes the scenarios need)
+    compare: bool = True  # the mode-comparing arguments (--endpoint, pool, --out)
+    launch: bool = True  # the vLLM and cache-server arguments
+    output: Output | None = None  # its own output, instead of the report of modes
+    document: Callable[[argparse.Namespace], dict[str, Any]] | None = None  # more to record
+    suite: bool = False  # `bench all`: scenarios at a size (`suite.size`), one document
+    sections: Mapping[str, Section] = field(default_factory=dict)
+    claims: tuple[Claim, ...] = ()
+    in_suite: InSuite[Any] | None = None
