@@ -20,18 +20,6 @@ from kvkeep.bench.scenarios import (
     ttft,
 )
 
-# TODO(store.py's owner): a ``COMMAND`` in store.py, and ``store.COMMAND`` below.
-STORE = Command(
-    name="store",
-    help="cache-server and tier bandwidth",
-    add_args=store.add_args,
-    build=store.build,
-    modes="none",
-    compare=False,
-    launch=False,
-    output=store.output,
-)
-
 SCENARIOS: tuple[Command, ...] = (
     session.COMMAND,  # S1
     ttft.COMMAND,  # S2
@@ -41,7 +29,7 @@ SCENARIOS: tuple[Command, ...] = (
     hol.COMMAND,  # S6
     replay.COMMAND,  # S7
     soak.COMMAND,
-    STORE,
+    store.COMMAND,
 )
 
 

@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from kvkeep.bench.command import Command
 from kvkeep.bench.context import RunContext
 from kvkeep.bench.deploy.cache import CacheServer, CacheSpec
 from kvkeep.bench.scenario import Needs
@@ -391,3 +392,15 @@ def output(doc: dict[str, Any], args: argparse.Namespace) -> int:
         out = {"results": doc, "targets": TARGETS, "environment": env}
         args.json.write_text(json.dumps(out, indent=2))
     return 0
+
+
+COMMAND = Command(
+    name="store",
+    help="cache-server and tier bandwidth",
+    add_args=add_args,
+    build=build,
+    modes="none",
+    compare=False,
+    launch=False,
+    output=output,
+)
