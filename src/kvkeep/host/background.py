@@ -1,30 +1,16 @@
-"""Background work that gives way to the engine.
+"""Background work that gives way to the engine: idle priority, CPU binding, thread names.
 
-Some of kvkeep's work is never on a request's path and may wait: the cache server's
-write-through to its disk and remote tiers, and a client populating its arena mapping
-(``kvkeep.server.arenamap``). It runs on the cores the engine computes on, and on a CPU
-engine every core is in the forward's thread team, so a thread that takes a core stalls the
-whole team. Under the ``idle`` policy (the default) ``give_way`` puts the calling thread in
-Linux's SCHED_IDLE class: it runs on cores nothing else wants. Under ``normal``, or where the
-kernel has no SCHED_IDLE, it does nothing.
+``give_way`` puts the calling thread in Linux's SCHED_IDLE class under the ``idle`` policy
+(the default; the cache server sets it from ``--background``), so it runs only on cores
+nothing else wants; under ``normal``, or without SCHED_IDLE, it does nothing. It is for work
+never on a request's path: the cache server's write-through to its disk and remote tiers, and
+populating a client's arena mapping. Saves and touches keep the engine's priority.
 
-What it costs: while every core is busy, write-through waits in the store's queue, and a full
-queue drops writes to the lower tiers (counted; the block stays in RAM). Saves are not such
-work: on an engine that is never idle a saver at idle priority stored almost nothing, so the
-connector's saver and touches keep the engine's priority. The cache server sets the policy
-from ``--background``.
-
-Binding is the other half. vLLM's CPU worker binds each thread of its OpenMP team to one core,
-and a new thread inherits the binding of the thread that starts it: every kvkeep thread
-started from the worker's main thread would share core 0 with the team's first thread, even
-on machines where vLLM leaves cores to its frontend. ``unbind`` gives the data path's threads
-(saver, loader) the CPUs of the process that started the worker (a user's ``taskset`` still
-holds). The arena's populate and unmap threads stay where they were started: they take the
-memory-map lock, and on their creator's core they never take it while that thread runs.
-
-Every kvkeep thread is started by ``start_thread``, which gives it its name in the kernel too
-(``kvkeep-save``, ``kvkeep-writer``, ...), so ``top -H``, ``ps -L`` and /proc show which of a
-vLLM worker's threads are kvkeep's and what CPU each takes.
+``unbind`` gives the data path's threads (saver, loader) the CPUs of the process that started
+the worker (a user's ``taskset`` still holds), not the one core they would inherit from vLLM's
+worker thread. Every kvkeep thread is started by ``start_thread``, which names it in the
+kernel too (``kvkeep-save``, ``kvkeep-writer``, ...).
+What giving way costs, and why threads are bound as they are: docs/notes/background-work.md.
 """
 
 from __future__ import annotations

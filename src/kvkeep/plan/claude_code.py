@@ -1,21 +1,15 @@
 """Real Claude Code sessions as a block trace: the kv-cache-tester trace format.
 
-A file is one session (``.json`` or ``.json.gz``): ``block_size`` (64 tokens), ``requests``
+A file (``.json`` or ``.json.gz``) is one session: ``block_size`` (64 tokens) and ``requests``
 in order, each with ``t`` (seconds from the session's start), ``in``/``out`` tokens and
-``hash_ids``, one id per *full* 64-token block of the prompt (``in // 64`` of them). Ids are
-local to a file, and an id always follows the same id: it names its block and the whole prefix
-before it, as a chained key does. A request of ``type`` ``subagent`` is a nested agent with its
-own ``requests`` (``t`` relative to its own start, which is the entry's ``t``); it becomes a
-session of its own, sharing the file's ids (a sub-agent's prompt may reuse its parent's
-blocks).
-
-Sessions are interleaved by an arrival model: each file's session starts at an offset drawn
-uniformly over ``window_s``, or from a Poisson process of ``rate_per_s``, with ``seed``; all at
-0 when neither is given. Requests are then taken in order of their absolute time.
-
-Blocks of ``block_tokens`` = k x 64 tokens group k consecutive ids; the group is named by its
-last id (which names its prefix). Under vLLM's rules (``vllm_blocks``) only full blocks count
-and at most ``(in - 1) // block_tokens`` may hit (see :mod:`kvkeep.plan.trace`).
+``hash_ids``, one per full 64-token block of the prompt; ids are local to a file and name a
+block with its whole prefix. A ``subagent`` request is a nested agent that becomes a session
+of its own, sharing the file's ids. Sessions start at offsets drawn uniformly over
+``window_s`` or from a Poisson process of ``rate_per_s`` (with ``seed``; all at 0 when neither
+is given), and requests are taken in order of their absolute time. A block of
+``block_tokens`` = k x 64 tokens groups k consecutive ids and is named by its last; under
+vLLM's rules at most ``(in - 1) // block_tokens`` may hit (:mod:`kvkeep.plan.trace`).
+The format in full: docs/notes/traces.md.
 """
 
 from __future__ import annotations

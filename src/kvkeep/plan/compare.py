@@ -1,35 +1,16 @@
-"""Predicted against measured: replay a bench run's workloads and set the planner's hit rates
-next to the ones the bench measured.
+"""`kvkeep plan --compare`: the planner's predicted hit rates beside a bench run's measured ones.
 
     kvkeep plan --compare kvkeep-report/results.json
 
 The input is `kvkeep bench all`'s ``results.json`` or the ``--json`` output of `kvkeep bench
 capacity` / `agents` / `replay`. Each scenario's block trace is rebuilt from the parameters its
-result records; a parameter it does not record is taken from the bench's defaults and
-named in :attr:`Comparison.assumed`.
-
-What is compared, with the same definitions on both sides:
-
-- **capacity**: ``device_hit_rate`` and ``hit_rate`` (device + connector) are over the
-  *cacheable* tokens (full blocks, never the last token: ``hit_cap`` blocks) of the measured
-  rounds; round 0 only warms the caches up. The prediction is the hits of the requests of
-  rounds 1.. over their ``hit_cap`` blocks.
-- **agents**: the same two rates are over *prompt* tokens of every turn (there is no warm-up).
-  The prediction is :meth:`StackDistances.token_hit_rate`, also over prompt tokens. The agents'
-  turns are replayed round-robin (turn t of every agent before turn t + 1): closed-loop agents
-  on a FCFS engine keep the order in which they started, and that fixed cyclic order is the
-  one LRU serves worst (shuffling it each round raises the predicted device rate by 7 to 17
-  points on the demo's workload, so a run whose agents drift apart will hit more).
-- **replay**: the same two rates over prompt tokens. The trace is rebuilt from the traces and
-  options the result records (:mod:`.replay`: the same sessions and token counts) in the order
-  that mode sent its requests, and the prediction is
-  :meth:`StackDistances.token_hit_rate`.
-
-Each mode is a list of tiers: ``none`` has none (prefix caching off), ``vllm`` the device
-pool less vLLM's null block, ``kvkeep`` that plus the cache server's RAM and disk, each an LRU
-over every reference (:mod:`.tiers`). Not modelled: requests running at the same time (their
-partial blocks pin slots, so the device holds a little less), preemption, and the other
-scenarios of `bench all` that share the cache server (harmless while RAM outsizes them all).
+result records; one it does not record is taken from the bench's defaults and named in
+:attr:`Comparison.assumed`. Both sides use the same definitions: ``device_hit_rate`` and
+``hit_rate`` (device + connector) over the cacheable tokens of rounds 1.. (capacity) or over
+prompt tokens (agents, replay). Each mode is a list of LRU tiers (:mod:`.tiers`): ``none``
+has none, ``vllm`` the device pool less vLLM's null block, ``kvkeep`` that plus the cache
+server's RAM and disk. Not modelled: concurrent requests, preemption, other scenarios sharing
+the cache server. Each scenario's definitions and replay order: docs/notes/plan-compare.md.
 """
 
 from __future__ import annotations

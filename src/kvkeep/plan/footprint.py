@@ -1,21 +1,14 @@
 """KV bytes per token of a model, from its `config.json` or a preset of published values.
 
-Per token and per attention layer a model stores K and V: ``2 * kv_heads * head_dim`` values
-of the KV dtype (MLA models store one latent of ``kv_lora_rank + qk_rope_head_dim`` values
-instead). Sliding-window layers keep only the last ``window`` tokens. vLLM's hybrid KV cache
-manager keeps, and kvkeep stores, a sliding layer's blocks only as far back as the window
-reaches before a request's prefix ends: at most ``window + block`` tokens (the window's first
-block may start mid-window). Over a prefix of ``L`` tokens a sliding layer therefore costs
-``min(L, window + block) / L`` of a full layer per token, so the average bytes per token
-depend on the context length and the block size, and :meth:`KVFootprint.split` takes both.
-
-Which layers slide is read the way each family writes it: ``layer_types`` (gpt-oss, newer
-Gemma/Qwen configs), ``sliding_window_pattern`` (Gemma 3: every N-th layer is global),
-``use_sliding_window`` + ``max_window_layers`` (Qwen2), or ``sliding_window`` alone (Mistral
-7B v0.1: every layer slides); Gemma 2's published configs say none of these, and its layers
-alternate. Models with Mamba or linear-attention layers are refused
-(`kvkeep.launch.model_support`): kvkeep cannot store their state, so no figure here would
-describe what it keeps.
+Per token and attention layer a model stores K and V: ``2 * kv_heads * head_dim`` values of
+the KV dtype (MLA models one latent of ``kv_lora_rank + qk_rope_head_dim``). A sliding-window
+layer's blocks are kept only as far back as the window reaches, at most ``window + block``
+tokens, so over a prefix of ``L`` tokens it costs ``min(L, window + block) / L`` of a full
+layer, and :meth:`KVFootprint.split` takes both the context length and the block size. Which
+layers slide is read the way each family writes it (``layer_types``,
+``sliding_window_pattern``, ``use_sliding_window`` + ``max_window_layers``, ``sliding_window``
+alone; Gemma 2 alternates). Models with Mamba or linear-attention layers are refused
+(`kvkeep.launch.model_support`). Which family writes which: docs/notes/kv-footprint.md.
 """
 
 from __future__ import annotations

@@ -3,16 +3,12 @@
 Without sliding windows a request of ``n`` tokens holds ``ceil(n / block)`` blocks, each with
 one page of every layer. vLLM's hybrid KV cache manager instead splits the layers into KV
 cache groups of ``group_size`` layers of one kind, and every group takes its own blocks from
-the one pool (``_get_kv_cache_groups_uniform_page_size`` in vLLM 0.32's
-``v1/core/kv_cache_utils.py``): ``group_size`` is the smaller of the full and sliding layer
-counts, or the larger when it is under 1.5 times the smaller (fewer padding layers). A
-full-attention group holds every block of the request; a sliding-window group, once the
-prefill is done, only the blocks that cover the last ``window - 1`` tokens: at most
-``ceil((window - 1) / block) + 1``.
-
-So the pool's ``N`` blocks hold fewer tokens of a hybrid model than of a plain one: a bench
-that sizes its documents against the pool must count blocks with `request_blocks`, never
-``n / block``. Pure arithmetic; nothing here imports vllm.
+the one pool (``pool_groups``): a full-attention group holds every block of the request; a
+sliding-window group, once the prefill is done, only the blocks that cover the last
+``window - 1`` tokens, at most ``ceil((window - 1) / block) + 1``. So the pool's ``N`` blocks
+hold fewer tokens of a hybrid model than of a plain one: a bench that sizes its documents
+against the pool must count blocks with `request_blocks`, never ``n / block``. Pure
+arithmetic; nothing here imports vllm. How vLLM picks ``group_size``: docs/notes/kv-footprint.md.
 """
 
 from __future__ import annotations
@@ -38,6 +34,8 @@ def pool_groups(fp: KVFootprint) -> PoolGroups:
     full, sliding = fp.full_layers, fp.window_layers
     if not sliding or not full:
         return PoolGroups(int(full > 0), int(sliding > 0), fp.layers)
+    # vLLM 0.32's _get_kv_cache_groups_uniform_page_size: the smaller count, or the larger
+    # when it is under 1.5 times the smaller (fewer padding layers)
     size = min(full, sliding)
     if max(full, sliding) < 1.5 * size:
         size = max(full, sliding)

@@ -1,26 +1,16 @@
 """What `kvkeep bench replay` sends, shared with the planner so both see the same requests.
 
 A replay takes ``sessions`` sessions of Claude Code traces (:mod:`.claude_code`; sub-agents
-are sessions of their own), earliest start first under the arrival model, and turns each
-request into token ids:
-
-- every 64-token trace block becomes ``block_tokens`` (b) token ids, fixed by the block's id
-  and file (:func:`kvkeep.traffic.workload.random_ids`): equal ids give equal tokens, so a
-  prefix the trace shares is a prefix vLLM can reuse;
-- the ``r`` tokens past the last full trace block become ``c`` fresh ids, ``c = 0`` when
-  ``r = 0`` and otherwise ``ceil(r * b / 64)`` clamped to ``1 .. b - 1``.
-
-The clamp is what keeps every hit and miss: a request of ``n = 64 q + r`` tokens becomes
-``n' = b q + c``, and with ``k = E / b`` trace blocks per engine block of ``E`` tokens,
-``n' // E == q // k`` (full engine blocks) and ``(n' - 1) // E == (n - 1) // (64 k)`` (blocks
-that may hit, one token always computed), exactly as the trace read with ``64 k``-token blocks
-under vLLM's rules. ``b`` must divide 64 and be at least 2.
-
-Output lengths are scaled the same way and capped at ``max_output_tokens``. Pauses are the
-trace's think times times ``time_scale``.
-
-:func:`replay_trace` is the block trace of a replay in engine blocks, in the planned order
-(absolute trace time) or in the order a run recorded, for `kvkeep plan --compare`.
+are sessions of their own), earliest start first, and turns each request into token ids:
+every 64-token trace block into ``block_tokens`` (b) ids fixed by the block's id and file
+(equal ids, equal tokens), and the ``r`` tokens past the last full block into ``c`` fresh ids,
+``c = 0`` when ``r = 0``, else ``ceil(r * b / 64)`` clamped to ``1 .. b - 1``. The clamp keeps
+every hit and miss: with ``k = E / b`` trace blocks per engine block of ``E`` tokens, a request
+of ``n = 64 q + r`` tokens becomes ``n' = b q + c`` with ``n' // E == q // k`` and
+``(n' - 1) // E == (n - 1) // (64 k)``. ``b`` must divide 64 and be at least 2. Output
+lengths scale the same way, capped at ``max_output_tokens``; pauses are the trace's think
+times times ``time_scale``. :func:`replay_trace` is a replay's block trace in engine blocks,
+in the planned order or a run's recorded one. Why the clamp works: docs/notes/traces.md.
 """
 
 from __future__ import annotations

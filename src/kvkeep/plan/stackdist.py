@@ -1,38 +1,16 @@
 """Exact LRU stack distances of a block trace, with prefix semantics and vLLM's eviction order.
 
-The stack distance of a block reference is its 1-based position in the LRU stack just before
-the request that reads it; the reference hits in an LRU cache of ``C`` blocks iff its distance
-is ``<= C`` (LRU is a stack algorithm: a cache of ``C`` blocks always holds the top ``C`` of
-the stack, since every block a request reads is either hit or computed and then cached). One
-pass therefore gives the hit rate at every capacity at once.
-
-**vLLM's order.** When a request finishes, vLLM frees its blocks in reverse order, so its last
-block is the first to be evicted and its first block the last. The replay reproduces that by
-touching a request's blocks from last to first after the request has been looked up: the
-first block ends on top of the stack.
-
-**Prefix semantics, and why the distances are monotone.** A block hits only if its whole
-prefix hits. With prefix block ids (an id names a block and its prefix), every request that
-reads block ``b_i`` also reads ``b_1 .. b_{i-1}``, and touches them *after* ``b_i`` (reverse
-order). So the last touch of every ``b_j``, ``j < i``, is later than the last touch of
-``b_i``, hence ``dist(b_1) < dist(b_2) < ... < dist(b_i)``: a cache that holds ``b_i`` holds
-its whole prefix, and within a request the hits are exactly a prefix. A trace whose ids break
-the prefix property (the same id under two different prefixes) would break that argument, so
-the replay also takes the running maximum of distances along each request: the effective
-distance of ``b_i`` is ``max(dist(b_1..b_i))``. On a well-formed trace that maximum changes
-nothing; on a malformed one it enforces prefix semantics explicitly.
-
-**Hit cap.** References past a request's ``hit_cap`` (vLLM always computes at least one
-token) are touched like any other but never hit: their effective distance is :data:`COLD`.
-
-**Tail blocks.** The blocks a request's output fills are cached too, and freed before its
-prompt blocks (they come last). The replay touches that many fresh ids, never referenced
-again, before the prompt blocks: they are not references and never hit, but each one pushes
-every older block one slot further down the stack, as it takes a slot in vLLM's pool.
-
-The positions are counted with a Fenwick tree over touch times: a time slot holds 1 while it
-is the latest touch of its block, so a block's stack position is the number of marked slots at
-or after its latest touch. That is O(log n) per reference, O(n log n) in all.
+A reference's stack distance is its 1-based position in the LRU stack just before the request
+that reads it; it hits in an LRU cache of ``C`` blocks iff its distance is ``<= C``, so one
+pass gives the hit rate at every capacity. The replay follows vLLM's order: after a request
+is looked up, ``tail_blocks`` fresh ids are touched for the blocks its output filled, then its
+blocks from last to first (vLLM frees them in reverse, so the first block ends on top).
+Invariants: within a request the hits are exactly a prefix (the effective distance is the
+running maximum of distances along the request, which changes nothing on a well-formed
+trace); a reference past a request's ``hit_cap`` never hits (:data:`COLD`); tail ids are
+never references. O(n log n) in all, with a Fenwick tree over touch times.
+Why LRU is a stack algorithm here, why distances are monotone and how positions are counted:
+docs/notes/stack-distances.md.
 """
 
 from __future__ import annotations

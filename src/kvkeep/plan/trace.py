@@ -2,27 +2,16 @@
 
 A block id names a block *and its whole prefix* (like a chained block key): two requests that
 share block id ``x`` at position ``i`` share their first ``i + 1`` blocks. Readers:
+:func:`read_mooncake` (Mooncake-format JSONL), :mod:`kvkeep.plan.claude_code` (Claude Code
+sessions), :func:`read_runner_output` (``kvkeep bench session`` JSON);
+:mod:`kvkeep.plan.workloads` builds traces from kvkeep's session generator and tile order.
 
-- :func:`read_mooncake`: Mooncake-format JSONL (``timestamp`` ms, ``input_length``,
-  ``output_length``, ``hash_ids``); every id counts as a block, as the trace defines them,
-  unless ``vllm_blocks`` applies vLLM's rules (below).
-- :mod:`kvkeep.plan.claude_code`: real Claude Code sessions (kv-cache-tester's format), one
-  file or a directory, interleaved by an arrival model.
-- :func:`read_runner_output`: ``kvkeep bench session`` JSON (``modes.MODE.turns``). It holds
-  prompt sizes, not tokens, so each turn is modelled as the previous turn's prompt extended,
-  which is what the session generator guarantees.
-- :mod:`kvkeep.plan.workloads` builds traces from kvkeep's session generator and tile order.
-
-vLLM's rules (``vllm_blocks``): only full blocks are cached, and at least one prompt token is
-always computed, so a request of ``n`` tokens holds ``n // B`` blocks of which at most
-``(n - 1) // B`` may hit. A request that generates ``o`` tokens also caches the blocks its
-output fills, ``(n + o - 1) // B - n // B`` of them (the last sampled token never enters the
-KV cache): vLLM hashes a block once it is full, whoever wrote it. They are ``tail_blocks``: no
-later prompt reads them (a chat template re-renders the reply, so its tokens differ), but they
-take LRU slots. A block left partial is not cached and goes back to the free pool first.
-
-Every error raised while reading is a :class:`TraceError` naming the file, the line and what
-is wrong with it.
+Under vLLM's rules (``vllm_blocks``) a request of ``n`` tokens holds ``n // B`` blocks, of
+which at most ``(n - 1) // B`` may hit, and a request generating ``o`` tokens caches
+``(n + o - 1) // B - n // B`` more (``tail_blocks``: never read again, but they take LRU
+slots); otherwise every id counts as a block. Every error raised while reading is a
+:class:`TraceError` naming the file, the line and what is wrong with it.
+The formats and the reasons for vLLM's rules: docs/notes/traces.md.
 """
 
 from __future__ import annotations

@@ -2,19 +2,12 @@
 
 Every ``KVKeepClient`` of a process (a worker has one for loads on the step, one for
 background loads, one for saves) shares one mapping of a server instance's arena, kept while
-any of them uses it. A fresh mapping has no page-table entries: the first copy out of each
-4 KiB page takes a fault, which makes the first load of 8 MiB in a new engine process about
-3.5 ms slower (1.3 ms populated, 4.8 ms not, measured on 2 cores). So a new mapping is
-populated in the background (``MADV_POPULATE_WRITE``, Linux 5.14+, in small chunks), at the
-idle priority of kvkeep's background work (``kvkeep.host.background``): it costs an engine
-nothing it was using, and the connector maps the arena when the worker starts, so by the
-first request the pages are usually mapped. Elsewhere, or when the kernel refuses, pages
-fault in on first use as before.
-
-Unmapping costs as much: it tears down a page-table entry per page, 145 ms for a populated
-768 MiB arena on 2 cores (seconds for tens of GiB). A client that finds a new server instance
-therefore hands its old mapping to ``retire``, and a background thread drops it, off the
-LOOKUP or load that found the restart.
+any of them uses it. A new mapping is populated in the background (``MADV_POPULATE_WRITE``,
+Linux 5.14+, in small chunks) at the idle priority of kvkeep's background work
+(``kvkeep.host.background``); elsewhere, or when the kernel refuses, pages fault in on first
+use. A client that finds a new server instance hands its old mapping to ``retire``, and a
+background thread unmaps it, off the LOOKUP or load that found the restart.
+What page faults and unmapping cost: docs/notes/arena-mapping.md.
 """
 
 from __future__ import annotations

@@ -1,54 +1,16 @@
-"""The control-plane wire protocol, version 2. Block bytes never travel here (see the arena).
+"""The cache server's control-plane wire protocol, version 2; block bytes never travel here.
 
-Framing: every message is ``length (u32 big-endian) || msgpack body``; bodies over
-``MAX_FRAME_BYTES`` are refused and the connection closed. A request body is the map
-``{"v": 2, "id": int, "op": str, "args": map}``; a reply is
-``{"v": 2, "id": int, "ok": true, "result": map}`` or
-``{"v": 2, "id": int, "ok": false, "error": {"code": str, "message": str}}``.
-msgpack is decoded with size limits and no extension types: no pickle, no reflection. A body
-may build at most ``MAX_DECODED_ITEMS`` array and map entries in all: a frame of nested empty
-arrays would otherwise make ~70 bytes of Python objects per byte received (600 MB for one 8 MiB
-frame, and seconds of the event loop).
-
-Operations. Each has a typed request and reply below (``AuthRequest`` ... ``StatsReply``);
-their ``encode`` gives the args or result map, their ``decode`` validates one. ``ns`` is the
-id HELLO returned on this connection; a key is a 32-byte block key (the server prefixes it
-with the namespace, see ``kvkeep.store.keyformat``); an offset names an arena slot; a
-checksum is ``kvkeep.store.base.checksum`` (XXH3-64) of a block's bytes, a u64 (version 1
-carried CRC-32s: its clients are refused with ``version``). Every int is non-negative::
-
-    AUTH    {token: bin}  -> {}                 (TCP: required first; wrong token: fatal)
-    HELLO   {namespace: bin32, block_bytes: int, label: str (optional, cut to 200)}
-            -> {ns: int, instance: str (the server process), arena_path: str,
-                arena_bytes: int, tiers: [str] (tier names, fastest first),
-                max_block_bytes: int}          (block_too_large if blocks cannot fit)
-    LOOKUP  {keys: [bin32], ns}  -> {num_present: int, tiers: [int]}
-            the leading keys present in some tier, and the index of each one's tier
-    RESERVE {keys: [bin32], ns}  -> {slots: [[index, offset]]}
-            slots to write keys[index] into; skips keys already stored, stops at the first
-            key no slot can be freed for (RAM all pinned)
-    COMMIT  {slots: [[offset, checksum]], ns}  -> {committed: int}
-            publishes slots this connection reserved; others are ignored (not counted)
-    ACQUIRE {keys: [bin32], ns}  -> {slots: [[offset, checksum]]}
-            pins the leading present keys (loaded from lower tiers if needed) for reading
-    TOUCH   {keys: [bin32], ns}  -> {}
-            the keys held in RAM become the most recently used, keys[0] most of all; no
-            hit is counted (the engine serves them from its own pool: keep them warm)
-    RELEASE {slots: [offset], corrupt: [offset] (optional)}  -> {}
-            unpins acquired slots and aborts reserved ones (others are ignored); ``corrupt``
-            names acquired slots whose bytes failed the client's checksum: the server checks
-            each again and drops it if its bytes are bad and nobody else pins it
-    STATS   {integrity: bool (optional)}
-            -> {tiers: {name: {hits, misses, bytes_in, bytes_out, evictions,
-                               checksum_failures, rejected_puts, write_errors, errors,
-                               dropped_puts, blocks, bytes_used, capacity_bytes: int}},
-                dropped_writes, write_errors, corrupt_writes, queue_depth,
-                pending_writes: int (write-behind), rebuild_s: float (disk index rebuild),
-                instance: str, connections: int,
-                integrity: [str] (only when asked: every inconsistency
-                           ``RamTier.check_integrity`` finds; O(slots), for tests)}
-
-A connection's reservations are aborted and its pins dropped when it closes.
+Framing: every message is ``length (u32 big-endian) || msgpack body``; a body over
+``MAX_FRAME_BYTES`` is refused and the connection closed. A request body is the map
+``{"v": 2, "id": int, "op": str, "args": map}``; a reply is ``{"v": 2, "id": int, "ok": true,
+"result": map}`` or ``{"v": 2, "id": int, "ok": false, "error": {"code": str, "message": str}}``.
+msgpack is decoded with size limits (``MAX_DECODED_ITEMS``) and no extension types: no pickle,
+no reflection. Every int is non-negative; a key is a 32-byte block key, ``ns`` the id HELLO
+returned on this connection, a checksum ``kvkeep.store.base.checksum`` (XXH3-64) of a block's
+bytes. Each operation (AUTH, HELLO, LOOKUP, RESERVE, COMMIT, ACQUIRE, TOUCH, RELEASE, STATS)
+has a typed request and reply below: ``encode`` gives the args or result map, ``decode``
+validates one. A connection's reservations are aborted and its pins dropped when it closes.
+Every operation's arguments and results: docs/notes/protocol.md.
 """
 
 from __future__ import annotations
@@ -67,6 +29,7 @@ MAX_FRAME_BYTES = 8 << 20
 MAX_KEYS_PER_REQUEST = 65536
 KEY_BYTES = 32
 MAX_MAP_ITEMS = 256  # envelopes, args and STATS replies are small maps
+# Without a bound, nested empty arrays make ~70 bytes of Python objects per byte received.
 MAX_DECODED_ITEMS = 4 * MAX_KEYS_PER_REQUEST  # a COMMIT of 65,536 [offset, checksum] rows: 3×
 MAX_WIRE_INT = 2**64 - 1  # offsets and checksums (store.base.CHECKSUM_BITS) fit msgpack's uint64
 MAX_LABEL_CHARS = 200
@@ -284,6 +247,8 @@ class _Message:
 
 @dataclass(frozen=True)
 class AuthRequest(_Message):
+    """AUTH ``{token: bin} -> {}``: required first on TCP; a wrong token is fatal."""
+
     OP: ClassVar[Op] = Op.AUTH
     token: bytes
 
@@ -303,6 +268,8 @@ class EmptyReply(_Message):
 
 @dataclass(frozen=True)
 class HelloRequest(_Message):
+    """HELLO: announces a namespace; ``block_too_large`` if its blocks cannot fit."""
+
     OP: ClassVar[Op] = Op.HELLO
     namespace: bytes  # the client's namespace digest (kvkeep.keys.Namespace.digest())
     block_bytes: int
@@ -355,6 +322,8 @@ class KeysRequest(_Message):
 
 @dataclass(frozen=True)
 class LookupRequest(KeysRequest):
+    """LOOKUP: the leading keys present in some tier, and the index of each one's tier."""
+
     OP: ClassVar[Op] = Op.LOOKUP
 
 
@@ -370,6 +339,9 @@ class LookupReply(_Message):
 
 @dataclass(frozen=True)
 class ReserveRequest(KeysRequest):
+    """RESERVE: slots to write keys into; skips keys already stored, stops at the first key
+    no slot can be freed for (RAM all pinned)."""
+
     OP: ClassVar[Op] = Op.RESERVE
 
 
@@ -394,6 +366,8 @@ class ChecksummedSlot(NamedTuple):
 
 @dataclass(frozen=True)
 class CommitRequest(_Message):
+    """COMMIT: publishes slots this connection reserved; others are ignored (not counted)."""
+
     OP: ClassVar[Op] = Op.COMMIT
     slots: tuple[ChecksummedSlot, ...]  # the checksum the client computed over each slot
     ns: int
@@ -416,6 +390,8 @@ class CommitReply(_Message):
 
 @dataclass(frozen=True)
 class AcquireRequest(KeysRequest):
+    """ACQUIRE: pins the leading present keys for reading (loaded from lower tiers if needed)."""
+
     OP: ClassVar[Op] = Op.ACQUIRE
 
 
@@ -430,11 +406,18 @@ class AcquireReply(_Message):
 
 @dataclass(frozen=True)
 class TouchRequest(KeysRequest):
+    """TOUCH: the keys held in RAM become the most recently used, keys[0] most of all; no hit
+    is counted (the engine serves them from its own pool: keep them warm)."""
+
     OP: ClassVar[Op] = Op.TOUCH
 
 
 @dataclass(frozen=True)
 class ReleaseRequest(_Message):
+    """RELEASE: unpins acquired slots and aborts reserved ones (others are ignored); the
+    server checks each ``corrupt`` slot again and drops it if its bytes are bad and nobody
+    else pins it."""
+
     OP: ClassVar[Op] = Op.RELEASE
     slots: tuple[Offset, ...]
     corrupt: tuple[Offset, ...] = ()  # acquired slots among ``slots`` that failed the check
@@ -450,6 +433,9 @@ class ReleaseRequest(_Message):
 
 @dataclass(frozen=True)
 class StatsRequest(_Message):
+    """STATS: ``integrity`` adds every inconsistency ``RamTier.check_integrity`` finds
+    (O(slots), for tests)."""
+
     OP: ClassVar[Op] = Op.STATS
     integrity: bool = False
 

@@ -1,6 +1,4 @@
-"""Where blocks live in the RAM arena: equal extents carved into fixed-size slots by size
-class, the way vLLM's ``BlockPool`` hands out KV blocks, and each class's LRU of committed
-slots.
+"""The RAM arena's allocator: extents carved into slots by size class, and each class's LRU.
 
 Arena layout (one file in /dev/shm, mapped by the server and every client)::
 
@@ -8,17 +6,13 @@ Arena layout (one file in /dev/shm, mapped by the server and every client)::
     | slot | slot | slot | ... | slot      | slot      |  ...                          |
       <- slot_bytes(class A) ->  <- slot_bytes(class B) ->
 
-An extent is free until a size class (the rounded-up block size of a namespace) needs room;
-then it is carved into slots of that class. A slot is named by its byte offset in the arena.
-When a class has no free slot and no extent is free, it evicts its least-recently-used slot
-that the caller says may go; a class with no extent at all takes over a whole extent from the
-class that has most, if every slot in it may go.
-
-Invariants (``problems`` checks each): every slot of a carved extent is either free (in its
-extent's free list, once) or in use; a free extent has neither; the classes own exactly the
-carved extents; a class's LRU holds exactly its committed slots. Free lists are LIFO: a slot
-just freed is the next one handed out, so nothing may trust a slot's bytes without a checksum
-taken from their source. Not thread-safe: the RAM tier calls it under its lock.
+A free extent is carved into a size class's slots when it needs room, the way vLLM's
+``BlockPool`` hands out KV blocks; a slot is named by its byte offset. Invariants
+(``problems`` checks each): every slot of a carved extent is free (in its extent's free list,
+once) or in use; a free extent has neither; the classes own exactly the carved extents; a
+class's LRU holds exactly its committed slots. Free lists are LIFO, so nothing may trust a
+slot's bytes without a checksum taken from their source. Not thread-safe: the RAM tier calls
+it under its lock. Size classes and eviction: docs/notes/ram-allocator.md.
 """
 
 from __future__ import annotations

@@ -1,37 +1,16 @@
 """The disk tier: append-only, checksummed segment files with a sealed index per segment.
 
-Directory layout::
-
-    DIR/seg-00000001.log   records, appended; the newest segment is the active one
-    DIR/seg-00000001.idx   written (tmp + rename) when the segment is sealed: the index of
-                           every record in it, checksummed, so start-up never reads the .log
-
-A record is ``header || payload`` (``diskformat.py`` gives the header and index layouts).
-
-Checksums are ``kvkeep.store.base.checksum`` (XXH3-64). ``VERSION`` names the record and index
-format, checksum included: version 1 held CRC-32s. A segment written in another version is
-never read: start-up deletes it (logged), so its blocks are recomputed, never misread.
-
-Crash safety: a record is one ``pwritev`` at the end of the active segment. After SIGKILL the
-active segment may end in a torn record; the start-up scan stops at the first header that does
-not check out or runs past the end of the file, truncates the file there and counts it. A
-payload is checked against its CRC on every load, and its header is read with it and must name
-the key asked for, with the length and CRC the index holds (so a valid record that sits where
-another key's index entry points, e.g. records swapped between keys, is never served for the
-wrong key). A mismatch is a miss, counted, and the key is dropped from the index and
-tombstoned, so the record is never returned.
-
-Writeback: each record's pages are sent to the device right after it is appended
-(``sync_file_range``, where the platform has it), on the thread that wrote it, which in the
-cache server runs only in the engine's idle moments (``kvkeep.host.background.give_way``). Left to
-the kernel, dirty pages are flushed 30 s later by its own threads at normal priority, in the
-middle of whatever the engine computes then.
-
-Capacity: whole segments are deleted oldest first (FIFO at segment granularity) until the new
-record fits. RAM sits above this tier, so recency is already served there. A filesystem that
-fills before the configured capacity (ENOSPC) is handled the same way: the failed append is cut
-off the file, counted in ``write_errors``, the oldest segment is deleted and the append is tried
-once more; if that fails too the block is not stored (``put`` raises OSError).
+``DIR/seg-NNNNNNNN.log`` holds records (``header || payload``; ``diskformat.py`` gives the
+header and index layouts), appended to the newest, active segment; its ``.idx`` is written
+(tmp + rename) when a segment is sealed, so start-up never reads a sealed ``.log``. Contract:
+a block is served only if its header names the key asked for with the length and checksum
+(XXH3-64) the index holds, and its payload passes the checksum on every load; a mismatch is a
+counted miss and the key is dropped and tombstoned. A torn record after SIGKILL is cut off at
+start-up; a segment of another ``VERSION`` is deleted, never read (its blocks are recomputed).
+Capacity is FIFO by whole segments, oldest first (RAM above serves recency); on ENOSPC the
+append is cut off, the oldest segment deleted and the append tried once more, else ``put``
+raises OSError. Each record's pages go to the device right after its append.
+Crash safety, writeback and ENOSPC in detail: docs/notes/disk-tier.md.
 """
 
 from __future__ import annotations
@@ -67,6 +46,8 @@ _MiB = 1 << 20
 
 log = logging.getLogger("kvkeep.store.disk")
 
+# Left to the kernel, dirty pages are flushed 30 s later by its own threads at normal
+# priority, in the middle of whatever the engine computes then.
 SYNC_FILE_RANGE_WRITE = 2  # Linux: start writeback of the range's dirty pages, do not wait
 
 

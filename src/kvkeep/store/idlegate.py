@@ -1,20 +1,11 @@
-"""Holding write-through back while the engine computes.
+"""The writer's idle gate: holds the cache server's write-through back while the engine computes.
 
-SCHED_IDLE (``kvkeep.host.background.give_way``) keeps the cache server's writer off cores that a
-forward wants, but not out of its way: the writer's kernel work (page-cache copies, ext4
-allocation, the device's writeback) still runs between the forward's threads, and each of
-their barriers waits for the slowest. Measured on 2 cores with AMX (``kvkeep bench ttft
---sizes 8192``, 5 cold prompts back to back): with a disk tier, every cold prompt after the
-first took 15-20% longer than vLLM's, and with ``--cache-disk 0`` all of them 5-7%.
-
-So the writer asks ``IdleGate.busy`` before each block: how many cores the rest of the
-machine (everything but the writer's own thread) kept busy since the last answer, from
-/proc/stat. While the others leave less than ``spare_cores`` idle it waits, ``window_s`` at a
-time; once they leave a core, it writes. Writes that wait too long still go (the caller
-decides: a queue that fills, a flush, ``max_wait_s``).
-
-Where /proc/stat cannot be read, the machine never counts as busy (the writer behaves as
-before).
+The writer asks ``IdleGate.busy`` before each block: how many cores the rest of the machine
+(everything but the writer's own thread) kept busy since the last answer, from /proc/stat.
+While the others leave less than ``spare_cores`` idle it waits, ``window_s`` at a time; once
+they leave a core, it writes. Writes that wait too long still go (the caller decides: a queue
+that fills, a flush, ``max_wait_s``). Where /proc/stat cannot be read, the machine never counts
+as busy. Why SCHED_IDLE alone is not enough: docs/notes/background-work.md.
 """
 
 from __future__ import annotations

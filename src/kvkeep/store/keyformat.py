@@ -5,21 +5,13 @@ A stored block's key is 64 bytes::
     store key  = namespace digest (32) || block key (32)
     namespace digest = sha256("kvkeep/store-ns/v2\\0" || client digest (32) || block_bytes u64 LE)
 
-The client digest is ``kvkeep.keys.Namespace.digest()`` (model, dtypes, layout, block size,
-rank, cache_salt, format version); the block key is its sha256 chain over tokens. Folding
-``block_bytes`` into the namespace means a client announcing a known digest with another block
-size can never be handed blocks of the wrong length: it simply has none.
-
-Every byte of this is persisted: the disk tier writes store keys into its records and indexes,
-and the remote tier uses ``kvkeep:<KEY_FORMAT_VERSION>:`` || store key. Changing how a key is
-derived silently orphans every stored block, so any change must bump ``KEY_FORMAT_VERSION``
-(which also moves the remote tier's default prefix); ``tests/store/test_keyformat.py`` pins a
-known answer per version and fails on a change that does not.
-
-Versions: 1, CRC-32 checksums. 2, XXH3-64 checksums in every stored value: the version is
-folded into the namespace digest, so no key of one version equals a key of another anywhere,
-and the remote prefix moves, so servers of both versions can share one Valkey without each
-deleting the other's values as corrupt (the disk tier's own ``VERSION`` refuses old records).
+The client digest is ``kvkeep.keys.Namespace.digest()``; the block key is its sha256 chain
+over tokens. With ``block_bytes`` folded in, a client of another block size has no blocks.
+Every byte is persisted (disk records and indexes; the remote tier's key, after
+``kvkeep:<KEY_FORMAT_VERSION>:``), so any change to how a key is derived must bump
+``KEY_FORMAT_VERSION``, or every stored block is silently orphaned;
+``tests/store/test_keyformat.py`` pins a known answer per version. Versions and why they
+never alias: docs/notes/key-format.md.
 """
 
 from __future__ import annotations
@@ -28,7 +20,7 @@ import hashlib
 from collections.abc import Sequence
 from typing import NewType
 
-KEY_FORMAT_VERSION = 2
+KEY_FORMAT_VERSION = 2  # 1: CRC-32 checksums; 2: XXH3-64 checksums in every stored value
 
 StoreKey = NewType("StoreKey", bytes)
 """64 bytes: namespace digest (32) + block key (32). Keys of two namespaces never alias."""

@@ -1,30 +1,18 @@
 """The remote tier: blocks in a Valkey/Redis server (or cluster) shared by many kvkeep servers.
 
-Keys and values::
-
-    key   = PREFIX || store key (64 bytes, see ``keyformat``), binary-safe
-    value = "KVB2" | length u32 | checksum u64 (little-endian) || payload
-
-The namespace digest in every key means two models, layouts or kvkeep formats never alias;
-the prefix (default ``kvkeep:<key format version>:``) keeps kvkeep's keys apart from anything
-else in the database. Every load checks the payload against the checksum it was stored with
-(``kvkeep.store.base.checksum``, XXH3-64) while copying it out; a mismatch, or a value of
-another format (``VALUE_MAGIC``; "KVB1" held CRC-32s), is a counted miss and the key is
-deleted.
-
-Capacity belongs to the remote server: kvkeep never deletes blocks to make room. Run it with
-``maxmemory <size>`` and ``maxmemory-policy allkeys-lru`` so that old blocks go first; an
-optional TTL (``ttl_s``) bounds how long any block lives on top of that.
+A key is ``PREFIX || store key`` (64 bytes, see ``keyformat``), a value ``"KVB2" | length u32 |
+checksum u64 (little-endian) || payload``. Every load checks the payload against its stored
+checksum (XXH3-64) while copying it out; a mismatch, or a value of another format
+(``VALUE_MAGIC``), is a counted miss and the key is deleted. Capacity belongs to the remote
+server (``maxmemory`` with ``allkeys-lru``; ``ttl_s`` optionally bounds a block's life):
+kvkeep never deletes blocks to make room.
 
 Failure contract: no method raises for anything the remote store does. An error or a timeout
-(sockets time out after ``timeout_s``) is a miss, counted in ``errors``; it opens a circuit
-breaker, and while it is open every call misses at once without touching the network, so a
-dead store costs one timeout per backoff period, not one per request.
-
-Reads (``contains_many``, ``get``) run in the caller's thread. Writes (``put``) copy the block
-into a bounded queue and return; one writer thread sends them in pipelines, no faster than
-``write_rate_bytes`` per second (token bucket), so remote traffic cannot starve local work.
-A put that finds the queue full, or the store down, is dropped and counted (``dropped_puts``).
+(``timeout_s``) is a miss counted in ``errors`` and opens a circuit breaker: while open, every
+call misses at once. Reads run in the caller's thread; ``put`` copies the block into a bounded
+queue for one writer thread, at most ``write_rate_bytes`` per second; a put that finds the
+queue full, or the store down, is dropped and counted (``dropped_puts``).
+Keys, capacity and the writer in detail: docs/notes/remote-tier.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """`kvkeep model tiny DIR`: a tiny Llama-style model whose replies depend on their context.
 
-No weights are ever downloaded. The model is a `config.json`, a byte-level BPE tokenizer trained
-offline on the Python standard library's own sources, a `tokenizer_config.json` with a chat
-template that understands tools, and seeded random weights in `model.safetensors` that vLLM
-loads through its real weight loader.
-
-The weights are what make the model a test instrument. vLLM's generated weights (its `dummy`
-load format) fill every weight with tiny values, so the output distribution is uniform and a
-reply does not depend on its context: no test could see a wrong KV block. Here embeddings are
-N(0, 1), projections N(0, `PROJECTION_STD`) and norms 1, so attention carries real signal and a
-different prefix (or a wrong KV block) changes the greedy reply.
-`tests/e2e/test_correctness.py::test_the_model_reads_its_context` checks that it does.
-
-The same arguments give byte-identical files: the training corpus is a sorted, size-capped list
-of standard-library files, training runs single-threaded, and every tensor is drawn from its own
-seeded generator (PCG64 keyed by the seed and the tensor's name) and rounded to bf16 in numpy.
+It writes a `config.json`, a byte-level BPE tokenizer trained offline on the Python standard
+library's own sources, a `tokenizer_config.json` with a chat template that understands tools,
+and seeded random weights in `model.safetensors` that vLLM loads through its real weight
+loader; no weights are ever downloaded. Embeddings are N(0, 1), projections
+N(0, `PROJECTION_STD`) and norms 1, so attention carries real signal and a different prefix
+(or a wrong KV block) changes the greedy reply
+(`tests/e2e/test_correctness.py::test_the_model_reads_its_context` checks that it does). The
+same arguments give byte-identical files. Why not vLLM's dummy weights, and how the output is
+made reproducible: docs/notes/tiny-model.md.
 """
 
 from __future__ import annotations

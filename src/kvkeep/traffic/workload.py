@@ -1,32 +1,18 @@
-"""A deterministic coding-agent session, turn by turn, in the chat API's `messages` form.
+"""Agent workloads: deterministic coding-agent sessions in the chat API's `messages` form.
 
-A session starts from a system prompt plus tool definitions and a task. Each later turn
-appends what a coding agent's loop appends: the assistant's previous reply with a tool call,
-the tool's result (the text of a real local source file, a grep listing, or test output), and
-a short instruction. Every prompt is therefore a strict extension of the previous one, which
-is exactly what a KV cache can exploit.
+A session starts from a system prompt, tool definitions and a task; each later turn appends
+the assistant's previous reply with a tool call, the tool's result (a real local source file,
+a grep listing or test output) and a short instruction, so every prompt strictly extends the
+previous one. Sizes follow the study (``STUDY_TURNS`` turns, ``STUDY_FINAL_CONTEXT`` tokens on
+the last at `scale=1`), shrink with `scale` and grow fastest early (``GROWTH_EXPONENT``).
+Replies are synthetic text of `max_output_tokens` tokens, so every mode sees byte-identical
+prompts. Token counts come from a `TokenCounter`: the model's tokenizer, or
+``CHARS_PER_TOKEN`` characters per token.
 
-Sizes follow the study (30 turns, 115k tokens of context on the last turn at `scale=1`) and
-shrink together with `scale`. The context grows fastest early, as agents read many files at
-the start of a task: the target context after turn t of T is
-
-    system + (final - system) * (t / (T - 1)) ** GROWTH_EXPONENT
-
-which at scale 1 makes a session re-read about 2M tokens in total without a cache, while no
-single turn adds more than about 8k.
-
-The assistant's replies are synthetic text of `max_output_tokens` tokens, not the model's own
-output: every mode then sees byte-identical prompts, which is what a side-by-side comparison
-needs (the tiny model's random weights would reply with noise anyway).
-
-Besides sessions, this module holds the other workload shapes that both `kvkeep bench` runs
-and `kvkeep plan` replays: random token-id prompts (`random_ids`), the question appended to a
-document (`QUESTION_TOKENS`), and the cache-server tier sizes every bench run deploys
-(`BENCH_CACHE_RAM`, `BENCH_CACHE_DISK`), so the planner never needs to import the bench.
-
-Token counts come from a `TokenCounter`: the model's own tokenizer when it is known, or an
-estimate of CHARS_PER_TOKEN characters per token otherwise. The bench reports the counts the
-server measured, so the estimate only affects how closely the sizes hit their targets.
+It also holds the other shapes bench runs and plan replays: random token-id prompts
+(`random_ids`), the question appended to a document (`QUESTION_TOKENS`) and the bench's
+cache-server tier sizes (`BENCH_CACHE_RAM`, `BENCH_CACHE_DISK`), so plan never imports bench.
+The growth curve and the reasons: docs/notes/workload.md.
 """
 
 from __future__ import annotations

@@ -1,3 +1,5 @@
-"""kvkeep's vLLM adapter. The only package that imports vllm, and only in ``connector`` and
-``compat``: ``config``, ``plan``, ``book``, ``guard`` and ``layout`` are pure and import
-without vllm installed."""
+"""kvkeep's vLLM adapter: the KV connector, and the only package that imports vllm.
+
+Only ``connector`` and ``compat`` import it: ``config``, ``plan``, ``book``, ``guard`` and
+``layout`` are pure and import without vllm installed.
+"""

@@ -1,34 +1,17 @@
 """The scheduler side's book of requests, free of vllm: what to claim, load and save.
 
-The scheduler side of the connector feeds this module plain values (token ids, block ids,
-token counts) and ships the ``StepPlan`` it returns to the workers. Everything here is
-deterministic and testable without an engine.
+The scheduler side feeds it plain values (token ids, block ids, token counts) and ships the
+``StepPlan`` it returns to the workers; everything here is deterministic and testable without
+an engine. kvkeep may supply blocks ``[local_blocks, limit)``, with ``local`` vLLM's own
+(block-aligned) prefix-cache hit and ``limit = (num_tokens - 1) // bs``: at least one token is
+always left to compute (a synchronous load of the whole prompt trips vLLM's
+``num_new_tokens > 0`` assert).
 
-Block arithmetic, with ``bs`` the block size and ``local`` vLLM's own (block-aligned)
-prefix-cache hit::
-
-    prompt tokens   |<------------------------- num_tokens -------------------------->|
-    blocks          [0 .. local_blocks)[local_blocks .. limit)[limit .. ]
-                     vLLM has these     kvkeep may supply      vLLM computes these
-    limit = (num_tokens - 1) // bs     -> at least one token is always left to compute,
-                                          because a synchronous load that covers the whole
-                                          prompt trips vLLM's ``num_new_tokens > 0`` assert.
-
-No wrong KV is ever saved. A failed synchronous load does not stop the step's forward: vLLM
-computes the request's new tokens on top of whatever the failed blocks hold, then rolls the
-request back and recomputes. So a step with any failed load saves nothing (the worker drops
-the whole step's saves), and the save frontier of every request is moved back:
-
-- to the first block planned in that step, for every request with saves in it
-  (``on_load_errors``, from the step's connector output), so unaffected blocks are planned
-  again in the next step;
-- to what vLLM still counts as computed (``rewind``, every step), so the failed blocks and
-  everything after them are saved once vLLM has recomputed them.
-
-An asynchronous load (a hit of ``load_async_min_blocks`` or more) feeds no forward until vLLM
-has its report, so its failure costs no saves. vLLM truncates the request at the first failed
-block and admits it again; ``on_alloc`` then starts its save frontier at what vLLM counts as
-computed, and the request gets no further claims (``on_loads_finished``).
+No wrong KV is ever saved. A step with a failed synchronous load saves nothing, and save
+frontiers move back: to the first block planned in that step (``on_load_errors``) and to what
+vLLM still counts as computed (``rewind``, every step). A failed asynchronous load costs no
+saves: ``on_alloc`` starts the returning request's frontier at what vLLM counts as computed,
+and it gets no further claims (``on_loads_finished``). Why: docs/notes/request-book.md.
 """
 
 from __future__ import annotations

@@ -2,69 +2,17 @@
 
 Load it with::
 
-    --kv-transfer-config '{"kv_connector": "KVKeepConnector",
-        "kv_connector_module_path": "kvkeep.vllm.connector", "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"socket": "/path/kvkeep.sock", "timeout_s": 1.0}}'
+    --kv-transfer-config '{"kv_connector": "KVKeepConnector", "kv_role": "kv_both",
+        "kv_connector_module_path": "kvkeep.vllm.connector", "kv_load_failure_policy":
+        "recompute", "kv_connector_extra_config": {"socket": "/path/kvkeep.sock"}}'
 
-Scheduler side (EngineCore): for a waiting request it LOOKUPs kvkeep's keys for the prompt
-blocks beyond vLLM's own hit and claims the leading present ones (always leaving one token to
-compute); it tracks every running request's block table and emits, each step, the blocks to
-load and the blocks that become full (to save) in a ``StepPlan``.
-
-On CPU the namespace's attention backend (the ISA that packs pages) comes from the workers,
-through vLLM's connector handshake at start-up (``get_handshake_metadata``): finding it in
-the engine core would import vLLM's CPU attention module there, 0.6 s of start-up on 2 cores.
-
-Worker side: a load is ACQUIRE (pins) → verify the checksum → copy each block (all layers)
-into the allocated blocks → RELEASE. Small hits load synchronously, before the forward. A
-hit of ``load_async_min_blocks`` blocks (by default 16 MiB of them, and only while other
-requests run beside it) or more loads asynchronously (``load_async``): vLLM parks the
-request, the worker copies on a background thread while other requests' steps run, and
-``get_finished`` reports the request when its blocks are in (:mod:`kvkeep.vllm.loader`).
-A block that is missing, corrupt or fails to copy is reported through
-``get_block_ids_with_load_errors`` (for an asynchronous load, in the step that reports it
-finished) and vLLM recomputes it (policy "recompute").
-
-Saves run in ``wait_for_save``, after the forward: one batched copy of the step's new blocks
-into staging memory is all the step waits for; a background thread on its own connection
-RESERVEs (the server skips blocks it already has), copies the rows into slots, checksums and
-COMMITs (:mod:`kvkeep.vllm.saver`).
-
-A step with a failed synchronous load saves nothing. vLLM runs that step's forward anyway, on
-top of the blocks that did not load, so its new KV is wrong under correct keys; vLLM then
-recomputes. The scheduler side learns of the failure from the step's connector output and
-moves the save frontiers back (``RequestBook.on_load_errors`` and ``rewind``), so the
-recompute is saved. An asynchronous load feeds no forward until it is reported, so its
-failure drops no saves: vLLM truncates the request at the first failed block, and when the
-request comes back its save frontier starts there (``RequestBook.on_alloc``). No other
-request reads a failed synchronous load's blocks before they are recomputed: admissions on
-them wait for the load's outcome, and failed blocks leave vLLM's prefix cache
-(:mod:`kvkeep.vllm.guard`).
-
-When vLLM computes a block it already holds again (the last block of a block-aligned prompt,
-or a partial block that decode completes), kvkeep keeps the first copy it was given: RESERVE
-skips keys the server holds. Both copies are valid KV for the same tokens; they can differ by
-the numeric drift of differently chunked attention. With ``"audit": true`` in the extra
-config, the worker compares such a second copy with the stored one and logs the largest
-difference (``audit_*`` counters): drift is small, a real fault is not.
-
-Nothing raised by kvkeep escapes into vLLM: a down, slow or restarted cache server turns
-into misses and recomputes. The client reconnects with backoff and bounds every RPC.
-
-Hybrid models (vLLM's hybrid KV cache manager, ``SupportsHMA``): each KV cache group (e.g.
-Gemma 3's sliding-window layers and its full-attention layers) has its own block ids, so
-kvkeep keeps each group's blocks under a namespace of its own and plans, loads and saves
-each group apart (one ``RequestBook`` and one ``WorkerSide`` per group). A sliding-window
-group loads and saves only the blocks in the window a hit needs (``RequestBook``'s doc).
-With several groups vLLM accepts load failures only as whole requests of asynchronous loads
-(``failed_recving``), so every load is asynchronous there, and a request is reported when
-all its groups' loads ended (:mod:`kvkeep.vllm.group_loads`).
-
-This module is vLLM's entry point and delegates by role: ``scheduler_side`` (EngineCore),
-``worker_side`` (each worker), ``stats`` (counters and Prometheus); the decisions, free of
-vllm, are in ``book`` (claims and per-request tracking), ``plan`` (what workers receive) and
-``config`` (the extra config's settings).
+vLLM's entry point, delegating by role: ``scheduler_side`` (EngineCore: claims, and each
+step's ``StepPlan`` of blocks to load and save), ``worker_side`` (each worker: loads, saves),
+``stats``; the decisions, free of vllm, are in ``book``, ``plan`` and ``config``. Contract:
+nothing kvkeep raises escapes into vLLM (a down, slow or restarted cache server is misses and
+recomputes; every RPC is bounded); a block that fails to load is reported and vLLM recomputes
+it; no wrong KV is saved or read (:mod:`kvkeep.vllm.guard`); each KV cache group has a
+namespace of its own. Loads, saves, failures and hybrid models: docs/notes/connector.md.
 """
 
 from __future__ import annotations
@@ -118,6 +66,8 @@ class KVKeepMetadata(KVConnectorMetadata):
         self.plans = plans
 
 
+# On CPU, finding the backend in the engine core would import vLLM's CPU attention module
+# there: 0.6 s of start-up on 2 cores.
 class KVKeepHandshake(KVConnectorHandshakeMetadata):
     """What a worker tells the scheduler side at start-up (vLLM's connector handshake): the
     attention backend it keys under, which on CPU the engine core does not know cheaply

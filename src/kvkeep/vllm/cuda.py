@@ -1,34 +1,18 @@
 """CUDA specifics of the data path, in one place; nothing else in kvkeep touches CUDA.
 
-- The arena is registered as pinned memory (``cudaHostRegister``) so that copies between it
-  and the device are DMA, not staged through pageable bounce buffers. `Pins` does it once per
-  mapping in the process (every group's mover and every thread share one mapping), asked by
-  the first load (after start-up, when vLLM has captured its CUDA graphs), on a thread of its
-  own: the step does not wait for it, and a failed call's CUDA error, which the runtime keeps
-  per thread for the next kernel launch, never reaches the engine's threads. A mapping is
-  unregistered before it is unmapped (a cache-server restart retires it); until it is
-  registered, and if registering fails, copies are slower, never wrong.
-- Each worker (one per rank) has its own side stream. A save gathers the step's blocks into a
-  device staging buffer on that stream, records an event the engine's stream waits for (so
-  vLLM may reuse the blocks once they are read, without the CPU waiting), then copies the
-  staging buffer to pinned host rows with one non-blocking DMA; the saver's thread waits for
-  that copy's event before it checksums and commits.
-- A load copies its slots to device staging (one DMA per block, from pinned memory, at most
-  ``STAGE_BYTES`` staged at once, on a stream of its own that waits for nothing) while the
-  host checks their checksums on several threads. Then, after the engine's work so far, it
-  scatters the slots that passed with ``index_copy_`` that the engine's stream waits for (a
-  bad slot's bytes never reach the KV cache), and waits for the DMA (the slots are unpinned
-  right after).
-- An asynchronous load (vLLM's ``load_async``) does the same on a second side stream, from
-  the loader's thread: its scatter waits for a fence event recorded on the engine's stream
-  when the load was started (blocks just allocated may still be read by earlier kernels), and
-  the thread waits for the scatter before it reports the request finished. The engine's
-  stream waits for nothing: vLLM schedules the request only after that report.
-- kvkeep's own threads (saver, loader) make the mover's device current first
-  (``bind_thread``): a CUDA call on a thread with no current device makes a context on
-  device 0, hundreds of MiB on another rank's GPU.
+- The arena is registered as pinned memory once per mapping in the process (`Pins`), off the
+  step, and unregistered before it is unmapped; until it is registered copies are slower,
+  never wrong.
+- Each worker has its own side streams. A save gathers the step's blocks into device staging
+  and DMAs them to pinned host rows; the engine's stream waits only for the gather.
+- A load DMAs its slots to device staging (at most ``STAGE_BYTES`` at once) while the host
+  checks their checksums, then scatters only the slots that passed: a bad slot's bytes never
+  reach the KV cache. An asynchronous load's scatter waits for a fence on the engine's stream,
+  and its request is reported only after the scatter.
+- kvkeep's own threads (saver, loader) make the mover's device current first (``bind_thread``).
 
 Importing this module needs no GPU; ``mover_for`` picks the host ``Mover`` for a CPU cache.
+Streams, events and their reasons: docs/notes/cuda.md.
 """
 
 from __future__ import annotations
@@ -76,6 +60,8 @@ class CudaMover(Mover):
         # ``stream``, after the forward), and beside saves' device-to-host copies
         self.copy_stream = torch.cuda.Stream(device)
 
+    # A CUDA call on a thread with no current device makes a context on device 0: hundreds
+    # of MiB on another rank's GPU.
     def bind_thread(self) -> None:
         torch.cuda.set_device(self.device)
 

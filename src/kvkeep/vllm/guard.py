@@ -1,43 +1,18 @@
-"""No request reads the blocks a failed synchronous load left behind.
+"""The load guard: no request reads the blocks a failed synchronous load left behind.
 
-vLLM puts the blocks of a synchronous load into its prefix cache when it allocates them,
-before the worker has copied anything, and under the "recompute" policy it leaves them there
-when the load fails: it truncates the failed request at its first failed block, and that
-request recomputes the blocks in place, one prefill chunk per step (128 tokens with
-``kvkeep serve``'s CPU defaults). Until then the blocks hold whatever they held before, and
-vLLM lets two kinds of request read them:
+vLLM caches a synchronous load's blocks when it allocates them and, under the "recompute"
+policy, leaves them cached when the load fails, so a request admitted on a hit over them in
+the same step (vllm-project/vllm#49250) or while the owner recomputes them would read stale
+KV. Two rules close both gaps, over vLLM's own block hashes, so they hold for every request
+vLLM could admit, including those kvkeep cannot key:
 
-- one admitted in the same step on a prefix-cache hit over them: vLLM keeps it going on the
-  assumption that the owner recomputes the shared blocks first, which chunked prefill breaks
-  (vllm-project/vllm#49250);
-- one admitted while the owner is still recomputing.
+1. Until a synchronous load's outcome is known, no request is admitted on a vLLM hit over the
+   blocks it writes or computes on top of them in that step (the answer is None: ask again).
+2. When a step reports failed blocks, every holder's blocks from its first failed one on
+   leave vLLM's prefix cache; the owner recomputes them in place and kvkeep saves them again.
 
-Agents that share a system prompt do both (``bench soak`` served whole wrong replies after a
-vLLM restart and a cache-server kill). kvkeep closes both gaps with two rules, over vLLM's own
-block hashes (``Request.block_hashes``), the identity under which vLLM's prefix cache shares a
-block, so they hold for every request vLLM could admit, including those kvkeep cannot key
-(LoRA, multimodal, prompt embeddings: their leading text blocks hash like a plain request's):
-
-1. Until the outcome of a synchronous load is known, no request is admitted on a vLLM hit
-   that covers the blocks the load writes, or the blocks its request computes on top of
-   them in the same step. The connector answers "not yet" (None), and vLLM asks again in
-   the next step. Scheduling step by step (always on CPU), vLLM knows the outcome by then;
-   under asynchronous scheduling, one step later. A request waits no longer than that: a
-   wait costs it its free device blocks that other admissions evict meanwhile.
-2. When a step reports failed blocks, every request that holds one has its blocks, from the
-   first failed one on, evicted from vLLM's prefix cache (through the KV cache manager that
-   vLLM binds to the connector). The owner still recomputes them in place, but nobody
-   shares them; kvkeep saves them again and serves them from there.
-
-Rule 2 is what keeps the recompute safe after rule 1's step, so it must be there before any
-synchronous load: an engine that binds no KV cache manager able to evict loads only
-asynchronously (vLLM caches an asynchronous load's blocks only once they are in). Where an
-eviction raises, the failed blocks are held as in rule 1 until their owners have computed
-them again (``hold_until_recomputed``; an owner that finishes first leaves them held until
-vLLM's prefix cache can be reset, once no request runs), and loads are asynchronous from then
-on.
-
-Free of vllm.
+Rule 2 must be there before any synchronous load: without a KV cache manager that can evict,
+or once an eviction raised, loads are asynchronous. Free of vllm. Why: docs/notes/load-guard.md.
 """
 
 from __future__ import annotations

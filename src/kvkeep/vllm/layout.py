@@ -1,25 +1,18 @@
-"""How "block b" of a kvkeep block maps onto the engine's paged KV tensors.
+"""How a kvkeep block maps onto the engine's paged KV tensors, and the copies between them.
 
 A kvkeep block holds one engine block of every layer, layer after layer::
 
     block bytes = [ layer 0 page | layer 1 page | ... | layer L-1 page ]
     page        = the layer's logical [H, N, C] view of that block, C-order
 
-vLLM hands ``register_kv_caches`` one logical ``[B, H, N, C]`` view per layer, whatever the
-physical layout (``KVCacheLayout`` permutes the strides, §8 of VLLM-NOTES). Copies go through
-those typed views (``kv[b].copy_(page)``), so a page's bytes are in logical order and one code
-path serves every layout: for a block-contiguous layout (LBHNC on CPU, LBNHC on CUDA) it is
-one memcpy per layer. The bytes inside a page stay opaque (the CPU backend stores K transposed
-in an ISA-specific packing): whole blocks are copied, never token slices.
-
-Copies are batched: ``gather_blocks``/``scatter_blocks`` move a whole step's blocks with one
-``index_select``/``index_copy_`` per layer, or one in all when the layers are evenly spaced
-views of one allocation (vLLM 0.32 carves every layer out of one backing tensor): then a
-fused ``[B, L, H, N, C]`` view addresses "block b, all layers" and each batch is one op.
-
-Anything the adapter cannot account for exactly (several KV cache groups, a padded page, a
-view whose shape disagrees with the cache config, an unknown layout name) stops start-up with
-``UnsupportedLayout``; its bytes are never guessed. This module imports torch, not vllm.
+Copies go through the logical ``[B, H, N, C]`` view vLLM hands ``register_kv_caches`` per
+layer, so one code path serves every physical layout. A page's bytes stay opaque: whole
+blocks are copied, never token slices. ``gather_blocks``/``scatter_blocks`` move a step's
+blocks with one op per layer, or one in all when the layers are evenly spaced views of one
+allocation. Anything the adapter cannot account for exactly (several KV cache groups, a padded
+page, a view whose shape disagrees with the cache config, an unknown layout name) stops
+start-up with ``UnsupportedLayout``; its bytes are never guessed. Imports torch, not vllm.
+Layouts and the fused view: docs/notes/kv-layout.md.
 """
 
 from __future__ import annotations

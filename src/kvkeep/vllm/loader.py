@@ -4,18 +4,14 @@
 
     ACQUIRE keys (pins) -> copy the slots in, their checksums beside the copy -> RELEASE
 
-RELEASE is sent without waiting for its reply (read before the connection's next call).
-
-A synchronous load runs it in ``start_load_kv``, before the forward. An asynchronous one
-(vLLM's ``load_async``: the request waits in ``WAITING_FOR_REMOTE_KVS`` and is not scheduled
-until it is reported) runs it on ``BackgroundLoads``' thread, on a connection of its own, and
-the step's ``get_finished`` collects what has finished since the last step. Every submitted
-request is reported exactly once, loaded or not, with the engine blocks it failed to fill;
-vLLM recomputes those (policy ``recompute``) from the first failed one. No forward ever runs
-on top of an asynchronous load that failed, so a failure there costs no saves.
-
-Pins are released once the copy is done (the loader's thread waits for a device copy), or
-when the connection dies (the server drops a dead connection's pins).
+RELEASE is sent without waiting for its reply (read before the connection's next call). A
+synchronous load runs in ``start_load_kv``, before the forward; an asynchronous one (vLLM's
+``load_async``) on ``BackgroundLoads``' thread and connection, and the step's
+``get_finished`` collects what has finished since the last step. Every submitted request is
+reported exactly once, loaded or not, with the engine blocks it failed to fill (vLLM
+recomputes from the first); no forward runs on a failed asynchronous load, so it costs no
+saves. Pins are released once the copy is done, or when the connection dies.
+The load path in detail: docs/notes/loads.md.
 """
 
 from __future__ import annotations

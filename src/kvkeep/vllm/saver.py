@@ -1,45 +1,17 @@
 """Saves off the step: copy new blocks out of the KV cache, store them in the background.
 
 On the step (``Saver.stage``, from ``wait_for_save``) the only work is one batched copy of the
-step's new blocks out of the engine's KV cache into a staging buffer that kvkeep owns. The
-step never waits for an RPC or a checksum: a background thread, on its own connection to the
-cache server, then RESERVEs slots (the server skips keys it holds), checksums each staged
-block and copies it into its slot, and COMMITs::
-
-    step:        gather_blocks(ids) -> staging rows          (the only copy vLLM waits for)
-    background:  RESERVE keys -> checksum(row), row into slot -> COMMIT -> free the rows
-
-The background thread stores several steps' jobs at once, and not while a prefill runs: after
-a job it waits for more as long as steps keep staging (one within ``QUIET_S`` of the last),
-until a step saves nothing (``flush``, as when a prefill ends and decoding starts), for at
-most ``LINGER_S``, and while enough buffers stay free for the steps. Then it sends one
-RESERVE and one COMMIT per session for all of them. With small steps (serve's CPU budget is
-two blocks) a RESERVE and COMMIT per step cost the cache server and this thread more CPU than
-the copies, and on a machine whose cores all run the engine that CPU is taken from the
-forward. Per 8k-token cold prompt on 2 cores (64 blocks, 32 steps), a linger of 50 ms cost
-the cache server 5.6 ms of CPU answering and this thread 6.4 ms; 250 ms and up to 256 blocks
-a batch cost 2.7 and 3.5 ms. Even two or three stores in the middle of a prefill slowed its
-steps: engines with a 250 ms linger spent 733 ms per 8k cold prompt in the worker's steps
-against vLLM's 643 ms, and 685 ms when the stores waited for the prefill's end (clone of
-vLLM with a per-step log, three engines up together, 8 prompts each, alternating). A save
-is visible once the prefill that made it ends, or ``QUIET_S`` after the engine went idle,
-and at most ``LINGER_S`` after its step; ``drain`` and ``shutdown`` store it at once.
-
-Why staging, not slots leased ahead: a slot is reserved under its key, and the keys of a
-step's blocks are known only when its plan arrives; an RPC to get them would be on the step.
-The price is one memcpy per saved byte, off the step.
-
-Integrity: a slot is committed with the checksum of the staged row gathered for its key (on
-CUDA, the row as the DMA left it in host staging), taken from that row, never from the slot
-after the copy. The slot is shared memory that another writer can reach (a reservation this
-saver lost when its connection closed is handed to the next RESERVE at once, and this copy may
-still be landing in it): whatever the slot holds at COMMIT, only the engine's bytes pass the
-check at load; anything else is a miss. A failed RESERVE, copy or COMMIT releases the slots
-and counts a save failure (nothing is published). Staging memory is bounded: when all its rows are
-in flight the step's saves are skipped and counted (``saves_skipped_busy``), never waited for.
-A dead cache server costs only saves. ``shutdown`` drains what is queued (bounded by the
-client's timeout per RPC); reservations left behind die with the connection, which the server
-aborts when it closes (and when the worker process dies).
+step's new blocks into staging rows kvkeep owns; the step never waits for an RPC, a checksum
+or a free buffer (with every row in flight its saves are skipped and counted,
+``saves_skipped_busy``). A background thread, on its own connection, RESERVEs slots (the
+server skips keys it holds), checksums each row, copies it into its slot and COMMITs, several
+steps' jobs at once and not while a prefill runs: a save is visible once the prefill that made
+it ends, or ``QUIET_S`` after the engine went idle, and at most ``LINGER_S`` after its step;
+``drain`` and ``shutdown`` store it at once. Invariants: a slot is committed with the
+checksum of its staged row, never of the slot, so only the engine's bytes pass the check at
+load; a failed RESERVE, copy or COMMIT releases the slots and publishes nothing (counted); a
+dead cache server costs only saves. Why staging, the batching and its measurements, and the
+integrity argument: docs/notes/saver.md.
 """
 
 from __future__ import annotations
@@ -310,7 +282,7 @@ class Saver:
 
         The checksum is of the row, the bytes the engine computed, read once just before the
         copy reads them again from cache. Taken from the slot after the copy it would cover
-        whatever else was written there meanwhile (see the module doc). The phases are timed
+        whatever else was written there meanwhile (docs/notes/saver.md). The phases are timed
         per batch, not per slot: on 2 cores four counter updates a slot cost more than a
         256 KiB block's checksum."""
         checksums = []

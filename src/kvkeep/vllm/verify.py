@@ -1,25 +1,14 @@
 """Checking a load's arena slots against their checksums, beside the load's copy.
 
-A load reads every slot twice: once for its checksum and once for its copy. On one thread
-the two add up, and the checksum of a slot read from memory runs at about one core's memory
-bandwidth (~10 GB/s here, below PCIe's 25-50 GB/s). ``SlotVerifier.start`` returns a
-``Check`` at once, its slots cut into parts of about ``PART_BYTES``:
-
-- On a big load of big slots, helper threads start on the parts at once (``checksum``
-  releases the GIL) while the loader's thread copies.
-- The loader's thread checks, after each run it copied, the parts of it no helper has taken,
-  while they are still in its cache (``Check.help``). Then it takes what is left and waits
-  (``Check.result``).
-
-The answer is the first bad slot, exactly as a single thread would have found it. The mover
-decides what the copy does before that answer (``Mover.scatter_checked``):
-
-- the host copies straight into the engine's blocks and reports the ones from the first bad
-  slot on as failed;
-- CUDA stages the slots on the device and scatters only the good ones into the KV cache.
-
-Small loads, and loads of small slots, get no helper: waking one costs tens of
-microseconds, and with slots of a few hundred KiB or less both threads fight over the GIL.
+``SlotVerifier.start`` returns a ``Check`` at once, its slots cut into parts of about
+``PART_BYTES``. On a big load of big slots, helper threads check parts while the loader's
+thread copies; the loader's thread checks, after each run it copied, the parts no helper has
+taken (``Check.help``), then takes what is left and waits (``Check.result``). Small loads, and
+loads of small slots, get no helper. The answer is the first bad slot, exactly as a single
+thread would have found it. The mover decides what the copy does before that answer
+(``Mover.scatter_checked``): the host copies straight into the engine's blocks and reports
+those from the first bad slot on as failed; CUDA scatters only the good slots into the KV
+cache. Why helpers, and when not: docs/notes/loads.md.
 """
 
 from __future__ import annotations
@@ -33,6 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from kvkeep.host.background import unbind
 from kvkeep.store.base import checksum
 
+# Waking a helper costs tens of microseconds; with small slots both threads fight over the GIL.
 MIN_PARALLEL_BYTES = 4 << 20  # below this a load is checked on the caller's thread
 # ... and so is one of smaller slots than this: with a helper, a host load of 128 KiB slots
 # ran at 3.9 GB/s against 4.3 alone, of 256 KiB slots at 5.6 against 4.8 (2 cores)
