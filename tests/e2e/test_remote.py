@@ -23,7 +23,7 @@ from kvkeep.bench.deploy.cache import CacheSpec
 from kvkeep.bench.deploy.vllm import LaunchConfig
 from kvkeep.store.redis_process import RedisProcess
 
-from .engine import Served, complete
+from .engine import Judged, complete
 
 pytestmark = pytest.mark.e2e
 
@@ -32,7 +32,7 @@ MAX_TOKENS = 16
 MODEL_NAME = "kvkeep-tiny"
 
 
-def ask(url: str, ids: list[int]) -> Served:
+def ask(url: str, ids: list[int]) -> Judged:
     return complete(url, ids, max_tokens=MAX_TOKENS)
 
 

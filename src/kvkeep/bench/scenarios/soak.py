@@ -31,11 +31,11 @@ import httpx
 
 from kvkeep.bench.command import Command
 from kvkeep.bench.context import RunContext
-from kvkeep.bench.criterion import DRIFT_TOL, TOP_ALTERNATIVES, Verdict, same_as_cold, token_id
-from kvkeep.bench.criterion import Reply as Judged
+from kvkeep.bench.criterion import DRIFT_TOL, Verdict, same_as_cold
 from kvkeep.bench.deploy.rpcproxy import RpcProxy
 from kvkeep.bench.deploy.vllm import VLLMServer
 from kvkeep.bench.http import agent_loop
+from kvkeep.bench.judged import Judged, ask_async, chat_body
 from kvkeep.bench.scenario import Needs
 from kvkeep.bench.scenarios.soak_faults import (
     Faults,
@@ -45,6 +45,7 @@ from kvkeep.bench.scenarios.soak_faults import (
     background,
     rss_growth,
 )
+from kvkeep.traffic.endpoint import discover_model
 from kvkeep.traffic.workload import HFTokenizer, SessionSpec, Turn, generate_sessions
 
 # A soak turn (a small session) takes seconds: one stuck this long is a failed request, and
@@ -78,7 +79,8 @@ class SoakScenario:
         sessions = generate_sessions(session, HFTokenizer(ctx.model), spec.agents)
         print(f"soak: {sum(map(len, sessions))} reference replies, no cache", file=sys.stderr)
         t_ref = time.monotonic()
-        refs = asyncio.run(references(ctx.url, sessions))
+        model = asyncio.run(served_model(ctx.url))
+        refs = asyncio.run(references(ctx.url, model, sessions))
         ref_s = time.monotonic() - t_ref
         print(f"soak: {spec.minutes} min of agents and faults", file=sys.stderr)
         t0 = time.monotonic()
@@ -87,7 +89,7 @@ class SoakScenario:
         where = Path(tempfile.mkdtemp(prefix="kvkeep-soak-"))
         proxy = RpcProxy(str(where / "proxy.sock"), ctx.cache.socket)
         faults = Faults(spec, ctx.cache, ctx.engine, sampler, proxy)
-        tally = Tally(ctx.engine, refs, t0)
+        tally = Tally(ctx.engine, model, refs, t0)
         try:
             with background("soak-sampler", sampler.loop), background("soak-faults", faults.run):
                 asyncio.run(agent_loop(sessions, tally.turn, until=t0 + spec.duration_s))
@@ -98,70 +100,42 @@ class SoakScenario:
         return summarize(spec, tally, faults, sampler.samples, ref_s, time.monotonic() - t0)
 
 
-class Reply(NamedTuple):
-    judged: Judged  # what the criterion compares: tokens, logprobs, top alternatives
-    prompt_tokens: int
-    cached_tokens: int
-
-
 class Result(NamedTuple):
     """One judged turn: when it started (seconds into the run), how long it took, the reply
     and the criterion's verdict on it."""
 
     t_s: float
     latency_s: float
-    reply: Reply
+    reply: Judged
     verdict: Verdict
 
 
-def chat_body(turn: Turn) -> dict[str, Any]:
-    """A greedy chat request that returns its output as token ids with logprobs."""
-    return {
-        "model": "kvkeep-tiny",
-        "messages": turn.messages,
-        "tools": turn.tools,
-        "max_tokens": turn.max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "logprobs": True,
-        "top_logprobs": TOP_ALTERNATIVES,  # the criterion tells a tie from a wrong token
-        "return_tokens_as_token_ids": True,
-    }
+def request(model: str, turn: Turn, salt: str | None = None) -> dict[str, Any]:
+    """A turn as a judged chat request (`kvkeep.bench.judged`)."""
+    return chat_body(model, turn.messages, turn.max_tokens, turn.tools, salt)
 
 
-async def ask(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Reply:
-    """POST one chat request; raises httpx.HTTPError on any transport or HTTP error."""
-    r = await client.post(f"{url}/v1/chat/completions", json=body, timeout=TURN_TIMEOUT_S)
-    r.raise_for_status()
-    doc = r.json()
-    content = doc["choices"][0]["logprobs"]["content"]
-    usage = doc["usage"]
-    judged = Judged(
-        [token_id(c["token"]) for c in content],
-        [float(c["logprob"]) for c in content],
-        [
-            {token_id(t["token"]): float(t["logprob"]) for t in c.get("top_logprobs") or ()}
-            for c in content
-        ],
-    )
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return Reply(judged, int(usage["prompt_tokens"]), int(cached))
-
-
-async def references(url: str, sessions: Sequence[Sequence[Turn]]) -> dict[tuple[int, int], Reply]:
+async def references(
+    url: str, model: str, sessions: Sequence[Sequence[Turn]]
+) -> dict[tuple[int, int], Judged]:
     """The no-cache reply of every distinct prompt: a fresh random cache_salt per request
     roots its block hashes in vLLM and in kvkeep where nothing is cached."""
-    out: dict[tuple[int, int], Reply] = {}
+    out: dict[tuple[int, int], Judged] = {}
     gate = asyncio.Semaphore(2)
     async with httpx.AsyncClient(timeout=TURN_TIMEOUT_S) as client:
 
         async def one(agent: int, turn: Turn) -> None:
             async with gate:
-                body = {**chat_body(turn), "cache_salt": f"soak-ref-{uuid.uuid4().hex}"}
-                out[(agent, turn.index)] = await ask(client, url, body)
+                body = request(model, turn, f"soak-ref-{uuid.uuid4().hex}")
+                out[(agent, turn.index)] = await ask_async(client, url, body, TURN_TIMEOUT_S)
 
         await asyncio.gather(*(one(a, t) for a, turns in enumerate(sessions) for t in turns))
     return out
+
+
+async def served_model(url: str) -> str:
+    async with httpx.AsyncClient(timeout=30) as client:
+        return await discover_model(client, url)
 
 
 @dataclass
@@ -170,7 +144,8 @@ class Tally:
     they saw. Mutated only on the event loop's thread."""
 
     engine: VLLMServer
-    refs: dict[tuple[int, int], Reply]
+    model: str  # the served model's name
+    refs: dict[tuple[int, int], Judged]
     t0: float
     results: list[Result] = field(default_factory=list)
     failed: int = 0
@@ -185,7 +160,8 @@ class Tally:
             url, generation = await asyncio.to_thread(engine.current)
             start = time.monotonic()
             try:
-                reply = await ask(client, url, chat_body(turn))
+                body = request(self.model, turn)
+                reply = await ask_async(client, url, body, TURN_TIMEOUT_S)
             except (httpx.HTTPError, KeyError, ValueError) as exc:
                 if engine.generation != generation or engine.restarting:
                     self.lost_to_engine_restart += 1
@@ -199,12 +175,12 @@ class Tally:
                 # a truncated output: a reply that spans a restart is the restart's
                 self.lost_to_engine_restart += 1
                 continue
-            verdict = same_as_cold(reply.judged, ref.judged)
+            verdict = same_as_cold(reply.reply, ref.reply)
             if not verdict:
                 self.errors.append(
                     f"agent {agent} turn {turn.index} at {start - self.t0:.1f} "
-                    f"s: {verdict.why}: {list(reply.judged.token_ids)} vs "
-                    f"reference {list(ref.judged.token_ids)}"
+                    f"s: {verdict.why}: {list(reply.reply.token_ids)} vs "
+                    f"reference {list(ref.reply.token_ids)}"
                 )
             self.results.append(Result(start - self.t0, time.monotonic() - start, reply, verdict))
             return

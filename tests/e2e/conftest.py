@@ -1,0 +1,66 @@
+"""Engines and cache servers the end-to-end tests share.
+
+A vLLM start costs 25-45 s on 2 cores, so an engine is shared as widely as its configuration
+allows: tests on a shared engine isolate themselves by ``cache_salt`` or by prompts of their
+own, and empty vLLM's device cache (``reset_device_cache``) where they need kvkeep to serve.
+Two tests restart vLLM for real to prove that kvkeep's blocks outlive the engine
+(`test_connector`'s sync case and the soak); the others reset the device cache instead.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvkeep.bench.deploy.vllm import LaunchConfig, VLLMServer
+from kvkeep.launch.cache_server import CacheServerConfig, CacheServerProcess
+
+CacheServerFactory = Callable[..., CacheServerProcess]
+
+
+def short_dir(prefix: str) -> Path:
+    """A fresh directory under $TMPDIR with a short path: a unix socket path in it must fit
+    in 108 bytes, which pytest's tmp_path does not promise."""
+    return Path(os.environ.get("TMPDIR", "/tmp")) / f"{prefix}-{os.getpid()}-{time.time_ns()}"
+
+
+@pytest.fixture
+def cache_server() -> Iterator[CacheServerFactory]:
+    """Starts private cache servers for one test (``cache_server("1GiB")``; tier sizes and
+    more `kvkeep server` flags as for `CacheServerConfig`) and stops each, and removes its
+    directory, afterwards."""
+    started: list[CacheServerProcess] = []
+
+    def start(ram: str, disk: str = "0", extra_args: tuple[str, ...] = ()) -> CacheServerProcess:
+        proc = CacheServerProcess(CacheServerConfig(short_dir("kvk"), ram, disk, None, extra_args))
+        started.append(proc)
+        proc.ensure()
+        assert proc.started, "the cache server did not start"
+        return proc
+
+    yield start
+    for proc in started:
+        proc.stop()
+        shutil.rmtree(proc.cfg.directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    """vLLM with its own prefix cache and no connector (mode `vllm`) on the tiny model, for
+    every test that measures vLLM alone: `test_bench_modes`' `vllm` case and
+    `test_plan_calibrate`. Its max_model_len leaves room for calibration's 8192-token prompt
+    and its reply."""
+    cfg = LaunchConfig(
+        model=tiny_model,
+        mode="vllm",
+        max_model_len=8192 + 256,
+        log_dir=tmp_path_factory.mktemp("logs-vllm-engine"),
+    )
+    with VLLMServer(cfg) as server:
+        yield server
+    assert server.proc is not None and server.proc.poll() is not None, "still running after stop"
