@@ -21,7 +21,7 @@ from kvkeep.bench.cli import (
 )
 from kvkeep.bench.context import Needs, RunContext, Setup
 from kvkeep.bench.deploy.vllm import LaunchConfig
-from kvkeep.bench.suite import _run_together
+from kvkeep.bench.suite import _run_batch, run_modes
 from kvkeep.bench.turns import Turnstile
 from kvkeep.launch.installed_vllm import installed_vllm
 
@@ -84,14 +84,20 @@ def test_a_turn_lasts_the_quantum_however_short_the_units() -> None:
     assert 2 <= len(settled) <= 10
 
 
-def test_the_turn_is_reentrant_and_settles_once_per_turn() -> None:
+def test_the_turn_is_reentrant_and_settles_only_after_another_members_work() -> None:
+    """The first turn of all settles (deployments just started); a member alone taking its
+    turn back does not wait for its own work; a turn after another member's settles."""
     settled: list[int] = []
     stile = Turnstile(["a"], lambda: settled.append(1), quantum_s=0)
     with stile.turn("a"), stile.turn("a"):
         pass
     with stile.turn("a"):
         pass
-    assert len(settled) == 2
+    assert len(settled) == 1
+    settled.clear()
+    log = run_members(Turnstile(["a", "b"], lambda: settled.append(1), 0), {"a": 3, "b": 1})
+    assert log == ["a", "b", "a", "a"]
+    assert len(settled) == 3  # a's first, b after a, a after b; a's last one is its own
 
 
 @dataclass
@@ -132,7 +138,7 @@ def test_a_group_runs_each_scenario_in_its_modes_at_once_unit_by_unit(
         def update(self, _: int) -> None: ...
 
     todo = {"vllm": [marked, whole], "kvkeep": [marked, whole]}
-    _run_together([marked, whole], todo, setup.base, Needs(engine=False), setup, out, Bar(), False)  # type: ignore[arg-type]
+    _run_batch([marked, whole], todo, setup.base, Needs(engine=False), setup, out, Bar(), False)  # type: ignore[arg-type]
     assert log == [("marked", "vllm"), ("marked", "kvkeep")] * 2 + [
         ("whole", "kvkeep"), ("whole", "kvkeep"), ("whole", "vllm"), ("whole", "vllm")]  # fmt: skip
     assert out["marked"] == {"vllm": {"units": 2}, "kvkeep": {"units": 2}}
@@ -164,3 +170,27 @@ def test_auto_puts_the_modes_together_only_where_their_engines_fit_in_memory(
     assert not _together(big, say=True)
     assert "modes run one after another" in capsys.readouterr().err
     assert _together(argparse.Namespace(**{**vars(big), "together": "yes"}))
+
+
+def test_a_mode_alone_runs_on_the_same_turn_taking_path(tmp_path: Path) -> None:
+    """Without ``together`` each mode's deployment runs its scenarios one after the other,
+    each scenario the one member of its turn-taking (the path modes side by side take)."""
+    seen: list[tuple[str, list[str]]] = []
+
+    @dataclass
+    class Members:
+        name: str = "members"
+
+        def needs(self) -> Needs:
+            return Needs(engine=False, turns=True)
+
+        def run(self, ctx: RunContext) -> dict[str, int]:
+            assert ctx.turnstile is not None
+            with ctx.turn():
+                seen.append((ctx.mode, ctx.turnstile.members))
+            return {"units": 1}
+
+    setup = Setup(LaunchConfig(model=tmp_path, log_dir=tmp_path), together=False)
+    out = run_modes([Members()], ["vllm", "kvkeep"], setup)  # type: ignore[list-item]
+    assert out["members"] == {"vllm": {"units": 1}, "kvkeep": {"units": 1}}
+    assert seen == [("vllm", ["vllm"]), ("kvkeep", ["kvkeep"])]

@@ -54,7 +54,8 @@ def run_modes(
     modes' deployments of such a group are up at once and each scenario runs in all its modes
     at once, taking turns unit by unit after a quiet machine (`kvkeep.bench.turns`): the
     modes' figures are then measured seconds apart, where one mode after the other put
-    minutes between them. Without it each mode's deployment runs its scenarios alone."""
+    minutes between them. Without it each mode's deployment runs its scenarios alone: the
+    same path, each mode the one member of its turn-taking."""
     out: Results = {s.name: {} for s in scenarios}
     same = itertools.groupby(scenarios, lambda s: _key(s.needs(), setup.base))
     groups = [list(g) for _, g in same]
@@ -66,20 +67,9 @@ def run_modes(
             todo = {mode: t for mode, t in todo.items() if t}
             needs = group[0].needs()
             cfg = launch_config(setup.base, needs, max(s.needs().tokens for s in group))
-            if setup.together and len(todo) > 1 and _shareable(needs, setup):
-                _run_together(group, todo, cfg, needs, setup, out, bar, profile)
-                continue
-            for mode, scenarios_ in todo.items():
-                _announce(mode, scenarios_)
-                try:
-                    with deployment(mode, cfg, scenarios_[0].needs(), setup) as ctx:
-                        for s in scenarios_:
-                            bar.set_postfix_str(f"{mode}: {s.name}")
-                            out[s.name][mode] = _run_one(s, ctx, profile)
-                            bar.update(1)
-                except (LaunchError, RuntimeError) as exc:
-                    for s in scenarios_:
-                        out[s.name].setdefault(mode, _failure(mode, s.name, exc))
+            together = setup.together and len(todo) > 1 and _shareable(needs, setup)
+            for batch in [todo] if together else [{m: t} for m, t in todo.items()]:
+                _run_batch(group, batch, cfg, needs, setup, out, bar, profile)
     return out
 
 
@@ -114,9 +104,9 @@ def _announce(mode: str, scenarios: Sequence[Scenario]) -> None:
     tqdm.write(f"mode {mode} ({what}): {names}", file=sys.stderr)
 
 
-def _run_together(
+def _run_batch(
     group: list[Scenario],
-    todo: dict[str, list[Scenario]],
+    batch: dict[str, list[Scenario]],
     cfg: LaunchConfig,
     needs: Needs,
     setup: Setup,
@@ -124,30 +114,40 @@ def _run_together(
     bar: tqdm,
     profile: bool,
 ) -> None:
-    """Every mode's deployment of one group up at once; each scenario run in its modes at
-    once, one thread each, taking turns unit by unit (`kvkeep.bench.turns`)."""
-    with contextlib.ExitStack() as stack:
-        ctxs: dict[str, RunContext] = {}
-        for mode, scenarios_ in todo.items():
-            _announce(mode, scenarios_)
-            bar.set_postfix_str(f"{mode}: starting")
-            try:
-                ctxs[mode] = stack.enter_context(deployment(mode, cfg, needs, setup))
-            except (LaunchError, RuntimeError) as exc:
-                for s in scenarios_:
-                    out[s.name][mode] = _failure(mode, s.name, exc)
-                bar.update(len(scenarios_))
-        for s, modes in rotation(group, {m: todo[m] for m in ctxs}):
-            bar.set_postfix_str(f"{s.name}: {', '.join(modes)} taking turns")
-            stile = Turnstile(modes)
-            with ThreadPoolExecutor(len(modes)) as pool:
-                runs = {
-                    m: pool.submit(_take_turns, s, replace(ctxs[m], turnstile=stile), profile)
-                    for m in modes
-                }
-                for mode, run in runs.items():
-                    out[s.name][mode] = run.result()
+    """The deployments of ``batch``'s modes up at once; each scenario of the group run in
+    those of its modes, one thread each, taking turns unit by unit (`kvkeep.bench.turns`). A
+    mode alone runs in this thread, the one member of its turn-taking. A deployment that
+    fails to start, or to stop, fails its mode's scenarios that have no result yet."""
+    try:
+        with contextlib.ExitStack() as stack:
+            ctxs: dict[str, RunContext] = {}
+            for mode, scenarios_ in batch.items():
+                _announce(mode, scenarios_)
+                bar.set_postfix_str(f"{mode}: starting")
+                try:
+                    ctxs[mode] = stack.enter_context(deployment(mode, cfg, needs, setup))
+                except (LaunchError, RuntimeError) as exc:
+                    for s in scenarios_:
+                        out[s.name][mode] = _failure(mode, s.name, exc)
+                    bar.update(len(scenarios_))
+            for s, modes in rotation(group, {m: batch[m] for m in ctxs}):
+                stile = Turnstile(modes)
+                runs = {m: replace(ctxs[m], turnstile=stile) for m in modes}
+                if len(modes) == 1:
+                    bar.set_postfix_str(f"{modes[0]}: {s.name}")
+                    out[s.name][modes[0]] = _take_turns(s, runs[modes[0]], profile)
                     bar.update(1)
+                    continue
+                bar.set_postfix_str(f"{s.name}: {', '.join(modes)} taking turns")
+                with ThreadPoolExecutor(len(modes)) as pool:
+                    futures = {m: pool.submit(_take_turns, s, runs[m], profile) for m in modes}
+                    for mode, future in futures.items():
+                        out[s.name][mode] = future.result()
+                        bar.update(1)
+    except (LaunchError, RuntimeError) as exc:  # a deployment failed to stop
+        for mode, scenarios_ in batch.items():
+            for s in scenarios_:
+                out[s.name].setdefault(mode, _failure(mode, s.name, exc))
 
 
 def _take_turns(s: Scenario, ctx: RunContext, profile: bool) -> dict[str, Any]:

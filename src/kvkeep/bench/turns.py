@@ -44,7 +44,9 @@ class Turnstile:
     member that holds the turn. ``release`` passes the turn to the next member once the
     member has held it for ``quantum_s`` (None: QUANTUM_S); until then its next ``acquire``
     goes straight on. A member that has left (it finished, or failed) is let through at once,
-    alone: it is not in the rotation any more."""
+    alone: it is not in the rotation any more. A member that takes the turn back from itself
+    (the only one left, or alone from the start) skips ``settle``: no other member's work ran
+    in between to settle. The first turn of all settles (deployments just started)."""
 
     def __init__(
         self,
@@ -55,6 +57,7 @@ class Turnstile:
         self._order = list(members)
         self._next = 0
         self._holder: str | None = None
+        self._last: str | None = None  # the member whose turn ended last
         self._depth = 0
         self._since = 0.0  # when the holder's turn began
         self._quantum = QUANTUM_S if quantum_s is None else quantum_s
@@ -78,7 +81,9 @@ class Turnstile:
             if member not in self._order:
                 return
             self._holder, self._depth = member, 1
-        self._settle()
+            after_another = self._last != member  # None: the first turn of all
+        if after_another:
+            self._settle()
         with self._cond:
             self._since = time.monotonic()
 
@@ -89,7 +94,7 @@ class Turnstile:
             self._depth -= 1
             if self._depth or time.monotonic() - self._since < self._quantum:
                 return  # a unit within the turn, or the turn is not over: the holder keeps it
-            self._holder = None
+            self._holder, self._last = None, member
             self._next = (self._order.index(member) + 1) % len(self._order)
             self._cond.notify_all()
 
@@ -100,7 +105,7 @@ class Turnstile:
             i = self._order.index(member)
             self._order.remove(member)
             if self._holder == member:
-                self._holder, self._depth = None, 0
+                self._holder, self._depth, self._last = None, 0, member
             if self._order:
                 if self._next > i:
                     self._next -= 1
