@@ -22,6 +22,25 @@ from kvkeep.launch.cache_server import CacheServerConfig, CacheServerProcess
 
 CacheServerFactory = Callable[..., CacheServerProcess]
 
+_SESSION_ENGINES: dict[str, VLLMServer] = {}  # fixture name -> its running engine
+_LAST_USERS: dict[str, str] = {}  # fixture name -> node id of the last test that uses it
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Note the last test of each session engine, so that it stops right after it."""
+    for item in items:
+        for name in getattr(item, "fixturenames", ()):
+            if name == "vllm_engine":
+                _LAST_USERS[name] = item.nodeid
+
+
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    """A session engine stops after its last test: idle, it would still hold memory and a
+    little CPU, and show as an engine among pytest's children, for the rest of the run."""
+    for name, nodeid in _LAST_USERS.items():
+        if item.nodeid == nodeid and name in _SESSION_ENGINES:
+            _SESSION_ENGINES.pop(name).stop()
+
 
 def short_dir(prefix: str) -> Path:
     """A fresh directory under $TMPDIR with a short path: a unix socket path in it must fit
@@ -62,5 +81,7 @@ def vllm_engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         log_dir=tmp_path_factory.mktemp("logs-vllm-engine"),
     )
     with VLLMServer(cfg) as server:
+        _SESSION_ENGINES["vllm_engine"] = server
         yield server
+        _SESSION_ENGINES.pop("vllm_engine", None)
     assert server.proc is not None and server.proc.poll() is not None, "still running after stop"

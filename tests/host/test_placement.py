@@ -119,5 +119,11 @@ def test_an_engine_whose_worker_is_not_bound_is_left_alone(engine: object) -> No
 
 
 def test_a_process_that_is_not_an_engine_is_left_alone() -> None:
-    assert bind_scheduler_to_forward(os.getpid()) is None
+    # not this process: under pytest it may have engines of other tests among its children
+    idle = subprocess.Popen(["sleep", "30"])
+    try:
+        assert bind_scheduler_to_forward(idle.pid) is None
+    finally:
+        idle.kill()
+        idle.wait()
     assert descendants(2**22 + 12345) == []
