@@ -5,6 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvkeep-installed
 MODEL  := .cache/tiny-model
 GEMMA3 := .cache/tiny-gemma3
+MLA    := .cache/tiny-mla
 
 .PHONY: setup model demo test lint unit e2e clean redis
 
@@ -21,7 +22,7 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $(STAMP)
 
-model: $(MODEL)/config.json $(GEMMA3)/config.json
+model: $(MODEL)/config.json $(GEMMA3)/config.json $(MLA)/config.json
 
 # config.json is written last: its presence means the weights and tokenizer are complete. The
 # model is rebuilt when its generator changes.
@@ -32,7 +33,12 @@ $(MODEL)/config.json: $(STAMP) src/kvkeep/tinymodel/generate.py
 $(GEMMA3)/config.json: $(STAMP) src/kvkeep/tinymodel/generate.py src/kvkeep/tinymodel/arch.py
 	$(VENV)/bin/kvkeep model tiny $(GEMMA3) --arch gemma3
 
-demo: setup model
+# The MLA model of the MLA tests: DeepSeek-V2/V3's latent attention, in float32 so that a reply
+# after a cache hit can be compared with the cold one without bf16's rounding.
+$(MLA)/config.json: $(STAMP) src/kvkeep/tinymodel/generate.py src/kvkeep/tinymodel/arch.py
+	$(VENV)/bin/kvkeep model tiny $(MLA) --arch deepseek --dtype float32
+
+demo: setup $(MODEL)/config.json
 	$(VENV)/bin/kvkeep demo --model $(MODEL)
 
 lint: setup
@@ -46,11 +52,14 @@ lint: setup
 redis:
 	scripts/redis-test-server.sh install
 
+TEST_MODELS := KVKEEP_TINY_MODEL=$(abspath $(MODEL)) KVKEEP_TINY_GEMMA3=$(abspath $(GEMMA3)) \
+	KVKEEP_TINY_MLA=$(abspath $(MLA))
+
 test: setup model lint redis
-	KVKEEP_TINY_MODEL=$(abspath $(MODEL)) KVKEEP_TINY_GEMMA3=$(abspath $(GEMMA3)) $(VENV)/bin/pytest -q
+	$(TEST_MODELS) $(VENV)/bin/pytest -q
 
 unit: setup model redis
-	KVKEEP_TINY_MODEL=$(abspath $(MODEL)) KVKEEP_TINY_GEMMA3=$(abspath $(GEMMA3)) $(VENV)/bin/pytest -q -m "not e2e"
+	$(TEST_MODELS) $(VENV)/bin/pytest -q -m "not e2e"
 
 clean:
 	rm -rf $(VENV) .cache .mypy_cache .ruff_cache .pytest_cache

@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 
 from kvkeep.store.redis_process import RedisProcess
-from kvkeep.tinymodel.generate import HYBRID_LAYERS, WEIGHTS_FILE, TinyModelSpec, write_tiny_model
+from kvkeep.tinymodel.generate import (
+    HYBRID_LAYERS,
+    MLA_LAYERS,
+    WEIGHTS_FILE,
+    TinyModelSpec,
+    write_tiny_model,
+)
 
 
 @pytest.fixture(scope="session")
@@ -30,6 +36,17 @@ def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
         return Path(given)
     spec = TinyModelSpec(arch="gemma3", layers=HYBRID_LAYERS)
     return write_tiny_model(tmp_path_factory.mktemp("tiny-gemma3"), spec)
+
+
+@pytest.fixture(scope="session")
+def tiny_mla(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny DeepSeek-style MLA model in float32 (2 layers, a 512 + 64 latent) `make test`
+    generated (KVKEEP_TINY_MLA), or a fresh one."""
+    given = os.environ.get("KVKEEP_TINY_MLA")
+    if given and (Path(given) / "config.json").is_file() and (Path(given) / WEIGHTS_FILE).is_file():
+        return Path(given)
+    spec = TinyModelSpec(arch="deepseek", layers=MLA_LAYERS, dtype="float32")
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-mla"), spec)
 
 
 @pytest.fixture

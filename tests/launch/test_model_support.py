@@ -10,7 +10,14 @@ from typing import Any
 import pytest
 import transformers
 
-from kvkeep.launch.model_support import config_of, refusal, state_layers
+from kvkeep.launch.model_support import (
+    config_of,
+    latent_attention,
+    refusal,
+    sparse_latent,
+    sparse_refusal,
+    state_layers,
+)
 from kvkeep.tinymodel.generate import TinyModelSpec, llama_config
 
 
@@ -125,7 +132,7 @@ def test_the_refusal_names_the_model_type_and_what_to_do() -> None:
     text = refusal(found, "/models/nano")
     assert "/models/nano is a 'nemotron_h' model" in text
     assert "2 Mamba layers" in text
-    assert "`vllm serve /models/nano`" in text
+    assert "`python -m vllm.entrypoints.openai.api_server --model /models/nano`" in text
 
 
 def test_config_of_reads_a_local_model_only(tmp_path: Path) -> None:
@@ -135,3 +142,20 @@ def test_config_of_reads_a_local_model_only(tmp_path: Path) -> None:
     assert config_of("ibm-granite/granite-4.0-h-small") is None  # a hub id: not looked up
     (tmp_path / "config.json").write_text("{not json")
     assert config_of(str(tmp_path)) is None  # vLLM will say what is wrong with it
+
+
+def test_mla_latents_are_kept_and_sparse_mla_is_refused() -> None:
+    """A dense latent (DeepSeek-V2/V3, Kimi K2) is served; DeepSeek-V3.2's indexer and V4's
+    compressed KV are refused by name, with the command that serves them without kvkeep."""
+    v3 = {"model_type": "deepseek_v3", "kv_lora_rank": 512, "qk_rope_head_dim": 64}
+    found = latent_attention(v3)
+    assert found is not None and found.values_per_token == 576
+    assert state_layers(v3) is None and sparse_latent(v3) is None
+    assert latent_attention({"model_type": "llama", "num_key_value_heads": 8}) is None
+    assert latent_attention({**v3, "is_causal": False}) is None  # vLLM runs it without MLA
+    for config in ({**v3, "index_topk": 2048}, {**v3, "model_type": "deepseek_v4"}):
+        evidence = sparse_latent(config)
+        assert evidence is not None
+        text = sparse_refusal(evidence, "/m")
+        assert "sparse or compressed MLA" in text
+        assert "`python -m vllm.entrypoints.openai.api_server --model /m`" in text

