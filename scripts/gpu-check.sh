@@ -13,8 +13,8 @@
 # FlashInfer on Blackwell included) through the connector's own CUDA mover, each checked to
 # round-trip exactly; a verified load as the connector runs it (every checksum on the CUDA
 # mover's threads, then the copy); checksum GB/s on 1, 2, 4 and 8 threads (what the CUDA
-# mover's thread count should be); and the end-to-end smoke (scripts/gpu_smoke.py). Prints
-# one JSON line.
+# mover's thread count should be); and the end-to-end smoke (scripts/gpu_smoke.py), on the
+# tiny model and on a tiny MLA model (DeepSeek-V2 style). Prints one JSON line.
 #
 # Exit status: 0 every check ran and passed; 1 a check failed (see the JSON); 2 no CUDA
 # device (the JSON says "no CUDA device"); 3 a package is missing (the JSON names it).
@@ -48,6 +48,11 @@ if "$PY" -c 'import vllm, tokenizers' 2>/dev/null; then
         "$PY" -m kvkeep.cli model tiny "$model" >&2 || model=""
     fi
     [ -n "$model" ] && smoke=(--smoke-model "$model")
+    # MLA (DeepSeek-V2/V3's latent): one copy for every TP rank, on the GPU's MLA backend
+    mla=$(mktemp -d)/tiny-mla
+    if "$PY" -m kvkeep.cli model tiny "$mla" --arch deepseek >&2; then
+        smoke+=(--smoke-mla-model "$mla")
+    fi
 else
     echo "gpu-check: no CUDA vLLM (or tokenizers) importable: the end-to-end smoke is skipped" >&2
 fi

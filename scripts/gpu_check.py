@@ -187,6 +187,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--old", action="store_true", help="also time the old per-layer loop")
     p.add_argument("--threads", type=int, help="torch CPU threads (1: steady on a busy host)")
     p.add_argument("--smoke-model", help="a model directory: run the end-to-end smoke on it")
+    p.add_argument(
+        "--smoke-mla-model",
+        help="an MLA model directory (`kvkeep model tiny DIR --arch deepseek`): the smoke on "
+        "it too, on the GPU's MLA backend",
+    )
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -215,6 +220,11 @@ def main(argv: list[str]) -> int:
 
         result["smoke"] = smoke(args.smoke_model)
         ok = ok and bool(result["smoke"].get("ok"))
+    if args.smoke_mla_model:
+        from gpu_smoke import smoke
+
+        result["smoke_mla"] = smoke(args.smoke_mla_model)
+        ok = ok and bool(result["smoke_mla"].get("ok"))
     result["ok"] = ok
     print(json.dumps(result))
     return 0 if ok else 1
