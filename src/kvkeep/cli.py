@@ -28,20 +28,23 @@ COMMANDS: dict[str, Route] = {
     "plan": Route("kvkeep.plan.main", "which cache configuration a workload needs"),
 }
 
-# `kvkeep bench NAME ...` -> kvkeep.bench.cli, whose one parser handles every scenario.
+# `kvkeep bench NAME ...` -> kvkeep.bench.cli, whose one parser handles every scenario. The
+# names and help lines are the scenario descriptors' (`kvkeep.bench.scenarios.registry`), in
+# their order, written out here so that `kvkeep bench --help` imports no scenario;
+# tests/bench/test_registry.py holds this copy to them.
 BENCHES: dict[str, Route] = {
     name: Route("kvkeep.bench.cli", help)
     for name, help in (
         ("session", "the study's 30-turn coding-agent session (S1)"),
         ("ttft", "one long prompt cold, then repeated (S2)"),
         ("capacity", "more documents than the device pool (S3)"),
+        ("restart", "hits and TTFT after vLLM and cache restarts (S4)"),
         ("agents", "N concurrent closed-loop agents (S5)"),
         ("hol", "a cached request beside a large prefill (S6)"),
-        ("restart", "hits and TTFT after vLLM and cache restarts (S4)"),
         ("replay", "real Claude Code sessions, closed loop (S7)"),
-        ("all", "S1-S7 side by side: report.md, report.html, plots"),
         ("soak", "agents while the cache and engine are killed"),
         ("store", "cache-server and tier bandwidth"),
+        ("all", "the study's six experiments and S7 side by side: report.md, report.html, plots"),
     )
 }
 

@@ -49,3 +49,14 @@ def test_bench_all_s_document_records_its_size_and_the_session_s_spec() -> None:
     }  # fmt: skip
     assert doc["scenarios"]["hol"]["modes"] == {"vllm@vllm-defaults": {"r": 2}}
     assert doc["setup"]["size"] == "quick" and doc["setup"]["num_blocks"] == 128
+
+
+def test_kvkeep_bench_s_routing_table_is_the_registry_s() -> None:
+    """`kvkeep bench --help` lists each scenario without importing the bench (it would cost
+    `kvkeep --help` a second), so `kvkeep.cli.BENCHES` repeats the names and help lines: this
+    holds the copy to the descriptors, in their order."""
+    from kvkeep import cli as top
+
+    listed = {name: route.help for name, route in top.BENCHES.items()}
+    assert listed == {name: command.help for name, command in cli.COMMANDS.items()}
+    assert list(listed) == list(cli.COMMANDS)

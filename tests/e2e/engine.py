@@ -89,6 +89,14 @@ class Deployment:
     def client(self) -> KVKeepClient:
         return KVKeepClient(socket_path=self.cache.cfg.socket_path, timeout_s=5.0)
 
+    def stored_in(self, ns: StoredNamespace, ids: list[int], first: int = 0) -> int:
+        """How many blocks of ``ids`` from block ``first`` on lead present in ``ns``."""
+        client = self.client()
+        try:
+            return client.lookup(ns.session(), ns.keys(ids)[first:]).num_present
+        finally:
+            client.close()
+
     def corrupt(self, ns: StoredNamespace, ids: list[int], index: int) -> bool:
         """Flip a byte of the stored block ``index`` of prompt ``ids`` (`corrupt_block`)."""
         client = self.client()

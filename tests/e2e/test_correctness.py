@@ -97,12 +97,7 @@ class Rig(Deployment):
 
     def stored(self, ids: list[int]) -> int:
         """How many leading full blocks of ``ids`` the cache server holds."""
-        ns = self.namespace()
-        client = self.client()
-        try:
-            return client.lookup(ns.session(), ns.keys(ids)).num_present
-        finally:
-            client.close()
+        return self.stored_in(self.namespace(), ids)
 
     def plant_wrong_block(self, ids: list[int], index: int) -> None:
         client = self.client()

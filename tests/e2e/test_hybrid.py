@@ -73,14 +73,6 @@ class Rig(Deployment):
     def sliding(self) -> list[StoredNamespace]:
         return [ns for name, ns in self.groups().items() if "/swa" in name]
 
-    def stored(self, ns: StoredNamespace, ids: list[int], first: int = 0) -> int:
-        """How many blocks of ``ids`` from block ``first`` on lead present in ``ns``."""
-        client = self.client()
-        try:
-            return client.lookup(ns.session(), ns.keys(ids)[first:]).num_present
-        finally:
-            client.close()
-
     def wait_stored(self, ids: list[int]) -> None:
         """Until the full group holds every full block of ``ids`` and each sliding group the
         window before the claimable end."""
@@ -88,12 +80,12 @@ class Rig(Deployment):
         first = window_start(limit)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
-            if self.stored(self.full(), ids) >= limit and all(
-                self.stored(ns, ids, first) >= limit - first for ns in self.sliding()
+            if self.stored_in(self.full(), ids) >= limit and all(
+                self.stored_in(ns, ids, first) >= limit - first for ns in self.sliding()
             ):
                 return
             time.sleep(0.2)
-        raise AssertionError(f"not stored: full {self.stored(self.full(), ids)} of {limit}")
+        raise AssertionError(f"not stored: full {self.stored_in(self.full(), ids)} of {limit}")
 
     def counters(self) -> dict[str, float]:
         """The connector's token counters once two reads a second apart agree."""

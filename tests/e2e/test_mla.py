@@ -93,12 +93,8 @@ class Rig(Deployment):
         return settled_tokens(self.url)
 
     def stored(self, ids: list[int]) -> int:
-        ns = self.namespace()
-        client = self.client()
-        try:
-            return client.lookup(ns.session(), ns.keys(ids)).num_present
-        finally:
-            client.close()
+        """How many leading full blocks of ``ids`` the cache server holds."""
+        return self.stored_in(self.namespace(), ids)
 
     def wait_stored(self, ids: list[int]) -> None:
         blocks = full_blocks(ids, MLA_BLOCK)
