@@ -20,12 +20,14 @@ class Route(NamedTuple):
 # `kvkeep NAME ...` -> module whose main(argv) handles the rest of the arguments.
 COMMANDS: dict[str, Route] = {
     "model": Route("kvkeep.tinymodel.generate", "generate the tiny local test model"),
-    "demo": Route("kvkeep.demo", "run the session and TTFT scenarios on the tiny model"),
+    "demo": Route("kvkeep.demo", "the study's experiments, small, on the tiny local model"),
     "server": Route("kvkeep.server.main", "run the kvkeep cache server"),
     "serve": Route(
         "kvkeep.launch.serve", "start the cache server, then vLLM with the kvkeep connector"
     ),
     "plan": Route("kvkeep.plan.main", "which cache configuration a workload needs"),
+    # listed here; `main` routes `kvkeep bench NAME` through BENCHES below
+    "bench": Route("kvkeep.bench.cli", "the study's experiments side by side on real vLLM"),
 }
 
 # `kvkeep bench NAME ...` -> kvkeep.bench.cli, whose one parser handles every scenario. The

