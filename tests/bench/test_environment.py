@@ -29,3 +29,14 @@ def test_environment_names_the_machine_the_versions_and_the_model(tmp_path: Path
     assert "### Machine and versions" in md and f"torch {metadata.version('torch')}" in md
     page = report.html(md, [])
     assert "<h3>Machine and versions</h3><ul><li>machine: " in page
+
+
+def test_the_report_says_how_long_the_run_took() -> None:
+    """`make demo` promises a time: the report says what this run took, so the figure a
+    newcomer is told can be checked against what they waited."""
+    from kvkeep.bench import report
+
+    doc = {"scenario": "ttft", "modes": {}, "wall_s": 1557.4}
+    assert "This run took 25 min 57 s (set-up excluded)." in report.markdown(doc)
+    assert "This run took 42 s" in report.markdown({**doc, "wall_s": 42.0})
+    assert "This run took" not in report.markdown({"scenario": "ttft", "modes": {}})

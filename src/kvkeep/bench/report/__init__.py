@@ -28,6 +28,8 @@ def markdown(doc: dict[str, Any]) -> str:
     ]
     if "scenarios" in doc and len(parts) > 2:
         parts.insert(0, tables.claims_table(doc, registry.claims()))
+    if isinstance(doc.get("wall_s"), int | float):
+        parts.append(f"This run took {_duration(doc['wall_s'])} (set-up excluded).")
     if isinstance(doc.get("environment"), dict):
         parts.append(env_markdown(doc["environment"]))
     failed = errors(doc)
@@ -35,6 +37,12 @@ def markdown(doc: dict[str, Any]) -> str:
         lines = [f"- {name}, mode {mode}: {error}" for name, mode, error in failed]
         parts.insert(0, "## Failed: these results are missing\n\n" + "\n".join(lines))
     return "\n\n".join(parts) + "\n"
+
+
+def _duration(seconds: float) -> str:
+    """``1557`` -> "25 min 57 s"; under a minute, seconds alone."""
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes} min {rest} s" if minutes else f"{rest} s"
 
 
 def write_report(doc: dict[str, Any], out: Path) -> list[Path]:
