@@ -4,6 +4,7 @@ lists. The clone is of what is committed, as a new user gets it."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -40,8 +41,14 @@ def test_each_make_target_of_the_readme_plans_its_own_setup(clone: Path, target:
     """`make -n TARGET` on a fresh clone (no .venv, no .cache): the plan creates the
     virtualenv, installs the package, writes the tiny model and then runs the target."""
     assert target in _named(r"(?:^|`)make ([a-z]+)")
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
     plan = subprocess.run(
-        ["make", "-n", target], cwd=clone, capture_output=True, text=True, timeout=60
+        ["make", "-n", "--no-print-directory", target],
+        cwd=clone,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,  # as a newcomer's shell has it, not `make test`'s, which runs this test
     )
     assert plan.returncode == 0, plan.stderr
     steps = plan.stdout

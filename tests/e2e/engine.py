@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -196,9 +197,10 @@ class StoredNamespace(NamedTuple):
 
 def worker_namespace(cache_dir: Path, block: int = BLOCK) -> StoredNamespace:
     """The namespace vLLM announced to the cache server in ``cache_dir`` (its scheduler and
-    its TP-rank-0 worker share one; the registry names whichever said HELLO first)."""
+    its TP-rank-0 worker share one, and with an MLA model every rank; the registry names
+    whichever said HELLO first)."""
     known = json.loads((cache_dir / "namespaces.json").read_text())
-    engine = [e for e in known.values() if e["label"] in ("scheduler", "worker0")]
+    engine = [e for e in known.values() if re.fullmatch(r"scheduler|worker\d+", e["label"])]
     found = {(e["namespace"], int(e["block_bytes"])) for e in engine}
     assert len(found) == 1, f"expected one engine namespace, found {known}"
     digest, block_bytes = found.pop()
