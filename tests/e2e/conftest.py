@@ -9,11 +9,13 @@ Two tests restart vLLM for real to prove that kvkeep's blocks outlive the engine
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -46,6 +48,27 @@ def short_dir(prefix: str) -> Path:
     """A fresh directory under $TMPDIR with a short path: a unix socket path in it must fit
     in 108 bytes, which pytest's tmp_path does not promise."""
     return Path(os.environ.get("TMPDIR", "/tmp")) / f"{prefix}-{os.getpid()}-{time.time_ns()}"
+
+
+@contextlib.contextmanager
+def kvkeep_deployment(
+    prefix: str, model: Path, log_dir: Path, ram: str = "256MiB", **launch: Any
+) -> Iterator[tuple[CacheServerProcess, VLLMServer]]:
+    """A private cache server (RAM tier only) and a vLLM in mode kvkeep on it, both started;
+    afterwards vLLM and that server are stopped and the server's directory removed (a server
+    a test started in its place is the test's to stop). ``launch``: more `LaunchConfig`."""
+    base = short_dir(prefix)
+    cache = CacheServerProcess(CacheServerConfig(base / "cache", ram=ram, disk="0"))
+    cache.ensure()
+    socket = cache.cfg.socket_path
+    vllm = VLLMServer(LaunchConfig(model, "kvkeep", cache_socket=socket, log_dir=log_dir, **launch))
+    try:
+        vllm.start()
+        yield cache, vllm
+    finally:
+        vllm.stop()
+        cache.stop()
+        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture

@@ -16,9 +16,7 @@ layers of 512 tokens, then 1 full; each its own KV cache group), shared by the m
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,9 +25,8 @@ from pathlib import Path
 import pytest
 
 from kvkeep.bench.criterion import same_as_cold, same_as_hit
-from kvkeep.bench.deploy.vllm import LaunchConfig, VLLMServer
-from kvkeep.launch.cache_server import CacheServerConfig, CacheServerProcess
 
+from .conftest import kvkeep_deployment
 from .engine import (
     BLOCK,
     Deployment,
@@ -106,25 +103,9 @@ def window_start(blocks: int) -> int:
 
 @pytest.fixture(scope="module")
 def rig(tiny_gemma3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
-    base = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvkh-{os.getpid()}-{time.time_ns()}"
-    cache = CacheServerProcess(CacheServerConfig(base / "cache", ram="256MiB", disk="0"))
-    cache.ensure()
-    cfg = LaunchConfig(
-        model=tiny_gemma3,
-        mode="kvkeep",
-        max_model_len=8192,
-        cache_socket=cache.cfg.socket_path,
-        log_dir=tmp_path_factory.mktemp("hybrid-logs"),
-        extra_env=(("VLLM_SERVER_DEV_MODE", "1"),),
-    )
-    rig = Rig(cache, VLLMServer(cfg), random.Random(2027))
-    try:
-        rig.vllm.start()
-        yield rig
-    finally:
-        rig.vllm.stop()
-        cache.stop()
-        shutil.rmtree(base, ignore_errors=True)
+    logs = tmp_path_factory.mktemp("hybrid-logs")
+    with kvkeep_deployment("kvkh", tiny_gemma3, logs, max_model_len=8192) as (cache, vllm):
+        yield Rig(cache, vllm, random.Random(2027))
 
 
 def test_vllm_keeps_its_hybrid_kv_cache_manager(rig: Rig) -> None:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import shutil
 import signal
 import time
 import uuid
@@ -39,10 +38,10 @@ from pathlib import Path
 import pytest
 
 from kvkeep.bench.criterion import same_as_cold, same_as_hit
-from kvkeep.bench.deploy.vllm import LaunchConfig, VLLMServer
 from kvkeep.bench.judged import Reply
-from kvkeep.launch.cache_server import CacheServerConfig, CacheServerProcess
+from kvkeep.launch.cache_server import CacheServerProcess
 
+from .conftest import kvkeep_deployment
 from .engine import (
     VOCAB,
     Deployment,
@@ -133,27 +132,20 @@ class Rig(Deployment):
 
 @pytest.fixture(scope="module")
 def rig(tiny_mla: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
-    base = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvkm-{os.getpid()}-{time.time_ns()}"
-    cache = CacheServerProcess(CacheServerConfig(base / "cache", ram="256MiB", disk="0"))
-    cache.ensure()
-    cfg = LaunchConfig(
-        model=tiny_mla,
-        mode="kvkeep",
+    with kvkeep_deployment(
+        "kvkm",
+        tiny_mla,
+        tmp_path_factory.mktemp("mla-logs"),
         max_model_len=PROMPT + 512,
-        cache_socket=cache.cfg.socket_path,
-        log_dir=tmp_path_factory.mktemp("mla-logs"),
         extra_args=("--attention-backend", "CPU_MLA", "--tensor-parallel-size", str(TP)),
         extra_env=(("VLLM_CPU_OMP_THREADS_BIND", "0|1"),),  # a core per rank
         bind_scheduler=False,  # the placement helper binds one engine's one worker
-    )
-    rig = Rig(cache, VLLMServer(cfg), random.Random(2036))
-    try:
-        rig.vllm.start()
-        yield rig
-    finally:
-        rig.vllm.stop()
-        rig.cache.stop()
-        shutil.rmtree(base, ignore_errors=True)
+    ) as (cache, vllm):
+        rig = Rig(cache, vllm, random.Random(2036))
+        try:
+            yield rig
+        finally:
+            rig.cache.stop()  # the disk-tier server the truncation test put in its place
 
 
 def test_vllm_runs_the_reference_mla_backend_without_its_prefix_cache(rig: Rig) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import transformers
 
+from kvkeep.host.cpu_pool import GENERATED_WEIGHTS
 from kvkeep.launch.model_support import (
     StateLayers,
     config_of,
@@ -192,7 +193,7 @@ def test_every_command_a_refusal_names_runs() -> None:
         sparse_refusal("config key 'index_topk'", "/m"),
     ]
     with pytest.raises(ValueError) as generated:
-        check_weights(["--load-format", "dummy"])
+        check_weights(["--load-format", GENERATED_WEIGHTS])  # refused: no engine starts
     messages.append(str(generated.value))
     commands = [argv for m in messages for argv in _commands(m)]
     assert len(commands) == 3, commands
