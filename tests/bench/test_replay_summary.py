@@ -62,7 +62,7 @@ def test_summary_and_report(tmp_path: Path) -> None:
     assert "| kvkeep | 480 | 96 | 96 | 288 | 40.0% | 0.200 s |" in md
     assert {p.name for p in paths if p.suffix == ".png"} == {
         "replay_ttft_cdf.png", "replay_hit_rate_over_time.png"}  # fmt: skip
-    claims = claims_table({"scenarios": {"replay": doc}}, registry.claims())
+    claims = claims_table({"scenarios": {"replay": doc}}, registry.claims(), registry.sections())
     assert (
         "| S7 real coding-agent sessions: hit rate | 94% with room, 17% without | 40.0% |" in claims
     )

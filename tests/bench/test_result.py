@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import dataclasses
-import typing
+from pathlib import Path
 
+from bench_examples import EXAMPLES
+
+from kvkeep.bench import report
 from kvkeep.bench.http import AgentsSummary
 from kvkeep.bench.metrics import HitRates
-from kvkeep.bench.report import tables
+from kvkeep.bench.report.results import typed
 from kvkeep.bench.result import to_json
 from kvkeep.bench.scenarios import registry
 from kvkeep.bench.scenarios.agents import AgentsResult, PoolFit
-from kvkeep.bench.scenarios.session import SessionResult
 from kvkeep.bench.scenarios.ttft import SizeTTFT, TTFTResult
 from kvkeep.traffic.workload import SessionSpec
 
@@ -41,31 +42,25 @@ def test_nested_results_in_a_dict_keep_their_keys() -> None:
     assert "after_restart_s" not in to_json(size)
 
 
-def json_keys(cls: type) -> set[str]:
-    """The keys a result class's JSON has for sure (FLAT groups merged; tiers' keys vary)."""
-    hints = typing.get_type_hints(cls)
-    keys: set[str] = set()
-    for f in dataclasses.fields(cls):
-        if not f.metadata.get("flat"):
-            keys.add(f.name)
-            continue
-        group = [t for t in typing.get_args(hints[f.name]) if t is not type(None)]
-        group_type = group[0] if group else hints[f.name]
-        if dataclasses.is_dataclass(group_type):  # else a dict: keys known only at run time
-            keys |= json_keys(group_type)
-    return keys
-
-
-TIER_KEYS = {"ram_hit_rate", "disk_hit_rate", "remote_hit_rate"}  # HitRates.tiers, per run
-
-
-def test_every_column_of_every_table_is_a_field_of_its_result() -> None:
-    sections = registry.sections()
-    assert {"session", "ttft", "capacity", "agents", "agents_fit", "hol", "replay"} <= set(sections)
-    for name, section in sections.items():
-        if isinstance(section.table, tables.Table):
-            missing = {c.key for c in section.table.columns} - json_keys(section.result)
-            assert not missing - TIER_KEYS, (name, missing)
-    assert {key for key, *_ in tables.SESSION_ROWS} <= json_keys(SessionResult)
+def test_every_table_plot_and_claim_reads_its_scenario_s_typed_result(tmp_path: Path) -> None:
+    """Each section's table and plots, and each claim, drawn from the example result of its
+    scenario as results.json holds it: every claim has a figure in every mode."""
+    names = sorted(registry.sections())
+    doc = {
+        "scenarios": {
+            n: {"scenario": n, "modes": {m: to_json(EXAMPLES[n]) for m in ("vllm", "kvkeep")}}
+            for n in names
+        }
+    }
+    paths = report.write_report(doc, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    for name, section in registry.sections().items():
+        if section.table is not None:
+            run = typed(doc["scenarios"][name], section.result)
+            assert section.table(run) in md, name
     for claim in registry.claims():
-        assert claim.path[0] in json_keys(sections[claim.scenario].result), claim
+        start = f"| {claim.label.split('{')[0]}"
+        row = next(line for line in md.splitlines() if line.startswith(start))
+        assert "-" not in [cell.strip() for cell in row.strip("|").split("|")[2:]], row
+    assert "| S2 TTFT, 4,096-token prompt again | 1.35 s -> ~120 ms | 0.300 s | 0.300 s |" in md
+    assert sum(p.suffix == ".png" for p in paths) == 8

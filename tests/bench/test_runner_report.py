@@ -1,11 +1,16 @@
 import json
+from dataclasses import replace
 from pathlib import Path
+
+from bench_examples import EXAMPLES
 
 from kvkeep.bench import metrics, report
 from kvkeep.bench.http import TurnResult
-from kvkeep.bench.metrics import metrics_delta
+from kvkeep.bench.metrics import HitRates, metrics_delta
 from kvkeep.bench.result import to_json
+from kvkeep.bench.scenarios.agents import PoolFit
 from kvkeep.bench.scenarios.session import summarize_session
+from kvkeep.bench.scenarios.ttft import SizeTTFT, TTFTResult
 
 PROM = """# HELP vllm:prefix_cache_hits_total hits
 # TYPE vllm:prefix_cache_hits_total counter
@@ -46,6 +51,9 @@ def test_kvkeep_tokens_are_summed_per_op(monkeypatch) -> None:  # type: ignore[n
     assert tokens == {"offered": 0.0, "loaded": 384.0, "load_failed": 128.0, "saved": 0.0}
 
 
+TTFT_4096 = to_json(TTFTResult({"4096": SizeTTFT(0.5, 0.05, [0.5], [0.05], 10.0, 0, 3968, 4096)}))
+
+
 def _session(prompts: list[int], cached: list[int]) -> dict:
     rows = [
         TurnResult(0, i, p, c, p - c, 8, 0.1 * (i + 1), 0.2 * (i + 1), float(i))
@@ -74,12 +82,7 @@ def test_report_writes_tables_json_and_plots(tmp_path: Path) -> None:
                 "modes": {"none": _session([1000, 2000, 3000], [0, 0, 0]),
                           "vllm": _session([1000, 2000, 3000], [0, 896, 1920])},
             },
-            "ttft": {
-                "scenario": "ttft",
-                "modes": {
-                    "vllm": {"sizes": {"4096": {"cold_s": 0.5, "warm_s": 0.05, "speedup": 10.0}}}
-                },
-            },
+            "ttft": {"scenario": "ttft", "modes": {"vllm": TTFT_4096}},
         }
     }  # fmt: skip
     paths = report.write_report(doc, tmp_path)
@@ -111,20 +114,24 @@ def test_root_cause_skips_warnings_and_wrapper_errors(tmp_path: Path) -> None:
 
 
 def test_remote_scenarios_have_tables() -> None:
-    replicas = {"scenario": "agents_replicas", "modes": {"shared store": {
-        "turns_per_min": 79.9, "hit_rate": 0.72, "device_hit_rate": 0.5,
-        "remote_hit_rate": 0.22, "mean_ttft_s": 1.1}}}  # fmt: skip
+    example = EXAMPLES["agents_replicas"]
+    summary = replace(example.summary, turns_per_min=79.9, mean_ttft_s=1.1)
+    rates = HitRates(0.72, 0.5, 0.22, {"remote_hit_rate": 0.22})
+    shared = to_json(replace(example, summary=summary, rates=rates))
+    replicas = {"scenario": "agents_replicas", "modes": {"shared store": shared}}
     assert "| shared store | 79.9 | 72.0% | 50.0% | 22.0% | 1.100 s |" in report.markdown(replicas)
-    remote = {"scenario": "restart_remote", "modes": {"kvkeep": {
-        "cold_ttft_s": 4.0, "ram_ttft_s": 0.1, "remote_ttft_s": 0.2, "remote_hit_rate": 1.0,
-        "kv_bytes_per_token": 2048}}}  # fmt: skip
+    remote = {
+        "scenario": "restart_remote",
+        "modes": {"kvkeep": to_json(EXAMPLES["restart_remote"])},
+    }
     assert "| kvkeep | 4.000 s | 0.100 s | 0.200 s | 100.0% | 2048 |" in report.markdown(remote)
 
 
 def _agents(ratio: float, tpm: dict[str, float]) -> dict:
+    example = EXAMPLES["agents"]
     modes = {
-        m: {"agents": 8, "turns_per_min": t, "mean_wait_s": 1.0, "late_turn_wait_s": 2.0,
-            "cached_fraction": 0.5, "working_set_over_pool": ratio}
+        m: to_json(replace(example, summary=replace(example.summary, agents=8, turns_per_min=t),
+                           fit=PoolFit(ratio, 128)))
         for m, t in tpm.items()
     }  # fmt: skip
     return {"scenario": "agents", "modes": modes}
@@ -135,8 +142,8 @@ def test_agents_runs_that_exceed_and_fit_the_pool_are_told_apart(tmp_path: Path)
         "scenarios": {
             "agents": _agents(2.81, {"none": 60.0, "kvkeep": 350.0}),
             "agents_fit": _agents(0.56, {"none": 500.0, "kvkeep": 1100.0}),
-            "restart": {"scenario": "restart", "modes": {"none": {}, "kvkeep": {
-                "after_engine_restart_hit_rate": 1.0, "restart_ready_s": 22.0}}},
+            "restart": {"scenario": "restart", "modes": {
+                "none": {}, "kvkeep": to_json(EXAMPLES["restart"])}},
         }
     }  # fmt: skip
     paths = report.write_report(doc, tmp_path)
@@ -183,8 +190,7 @@ def test_a_failed_scenario_is_reported_and_the_rest_kept(tmp_path: Path) -> None
                 "vllm": {"error": "JSONDecodeError: Unterminated string"},
                 "kvkeep": _session([1000, 2000], [0, 896])}},
             "agents": ok,
-            "ttft": {"scenario": "ttft", "modes": {
-                "vllm": {"sizes": {"4096": {"cold_s": 0.5, "warm_s": 0.05, "speedup": 10.0}}}}},
+            "ttft": {"scenario": "ttft", "modes": {"vllm": TTFT_4096}},
             "hol": {"scenario": "hol", "modes": {m: {"error": "EndpointError: HTTP 500"}
                                                  for m in ("none", "vllm", "kvkeep")}},
         }

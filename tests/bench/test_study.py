@@ -7,6 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from bench_examples import EXAMPLES
 
 from kvkeep.bench import report
 from kvkeep.bench.http import TurnResult, summarize_agents
@@ -128,22 +129,21 @@ def test_mean_rates_weigh_each_measurement_by_its_cacheable_tokens() -> None:
 
 def test_all_report_has_a_row_per_claim_and_a_self_contained_page(tmp_path: Path) -> None:
     def mode(hit: float) -> dict:
+        agents = EXAMPLES["agents"]
+        summary = replace(agents.summary, turns_per_min=60.0 * hit + 8)
         return {
-            "capacity": {"hit_rate": hit, "device_hit_rate": 0.0, "ttft_s": 0.1,
-                         "num_docs": 32, "doc_tokens": 2048, "k": 4.0},
-            "restart": {"after_engine_restart_hit_rate": hit, "after_engine_restart_ttft_s": 0.2,
-                        "restart_ready_s": 26.0, "cold_ttft_s": 1.0, "warm_ttft_s": 0.05},
-            "agents": {"turns_per_min": 60.0 * hit + 8, "late_turn_wait_s": 2.0,
-                       "mean_wait_s": 1.0, "cached_fraction": hit, "working_set_over_pool": 3.0},
-            "hol": {"ttft_alone_s": 0.05, "ttft_beside_prefill_s": 0.5, "ratio": 10.0,
-                    "long_prefill_ttft_s": 2.2, "long_prefill_alone_s": 2.0,
-                    "long_prefill_ratio": 1.1, "long_prefill_token_threshold": 512},
+            "capacity": replace(EXAMPLES["capacity"], rates=HitRates(hit, 0.0, hit)),
+            "restart": replace(EXAMPLES["restart"], after_engine_restart_hit_rate=hit),
+            "agents": replace(agents, summary=summary, cached_fraction=hit),
+            "hol": replace(EXAMPLES["hol"], long_prefill_ratio=1.1, long_prefill_alone_s=2.0,
+                           long_prefill_ttft_s=2.2, max_num_batched_tokens=None,
+                           long_prefill_token_threshold=512),
         }  # fmt: skip
 
     modes = {"vllm": mode(0.0), "kvkeep": mode(1.0)}
     doc = {
         "scenarios": {
-            name: {"scenario": name, "modes": {m: r[name] for m, r in modes.items()}}
+            name: {"scenario": name, "modes": {m: to_json(r[name]) for m, r in modes.items()}}
             for name in ("capacity", "restart", "agents", "hol")
         }
     }

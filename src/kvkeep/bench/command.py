@@ -14,39 +14,49 @@ import argparse
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from kvkeep.bench.scenario import Scenario
 from kvkeep.plan.replay import ENGINE_BLOCK_TOKENS
 from kvkeep.traffic.workload import TokenCounter
 
+if TYPE_CHECKING:  # the report's package imports this module's Claim and Format
+    from kvkeep.bench.report.results import Run
+
 Output = Callable[[dict[str, Any], argparse.Namespace], int]
 Format = Callable[[Any], str]
 K = TypeVar("K")  # a scenario's knobs at one size of `bench all`
+R = TypeVar("R")  # a scenario's result dataclass
 
 
 @dataclass(frozen=True)
-class Section:
-    """One result name's part of the report: its result dataclass (the JSON it reads, by
-    `result.to_json`), its Markdown table, and its plots; ``beside``: another result name
-    whose document the plot draws beside this one (S5's run whose working set fits)."""
+class Section(Generic[R]):
+    """One result name's part of the report: its result dataclass (each mode's JSON is
+    rebuilt as one, `report.results.typed`), its Markdown table, and its plots (``out``, then
+    the run); ``beside``: another result name whose run the plot draws beside this one (S5's
+    run whose working set fits)."""
 
-    result: type
-    table: Callable[[dict[str, Any]], str] | None = None
+    result: type[R]
+    table: Callable[[Run[R]], str] | None = None
     plot: Callable[..., list[Path]] | None = None
     beside: str | None = None
 
 
 @dataclass(frozen=True)
-class Claim:
-    """A row of the study's claims: its label, the study's figure, and where each mode's
-    figure is in ``scenario``'s result (``{big}`` in the label and path: S2's largest size)."""
+class Claim(Generic[R]):
+    """A row of the study's claims: its label, the study's figure, and ``get``: each mode's
+    figure from its result (None: not measured). ``fill``: names the label's ``{fields}``
+    from the scenario's run (S2's names its largest prompt)."""
 
     label: str
     study: str
     scenario: str
-    path: tuple[str, ...]
+    get: Callable[[R], Any]
     fmt: Format
+    fill: Callable[[Run[R]], dict[str, Any]] | None = None
+
+    def title(self, run: Run[R]) -> str:
+        return self.label.format(**self.fill(run)) if self.fill else self.label
 
 
 @dataclass(frozen=True)
@@ -88,6 +98,6 @@ class Command:
     output: Output | None = None  # its own output, instead of the report of modes
     document: Callable[[argparse.Namespace], dict[str, Any]] | None = None  # more to record
     suite: bool = False  # `bench all`: scenarios at a size (`suite.size`), one document
-    sections: Mapping[str, Section] = field(default_factory=dict)
-    claims: tuple[Claim, ...] = ()
+    sections: Mapping[str, Section[Any]] = field(default_factory=dict)
+    claims: tuple[Claim[Any], ...] = ()
     in_suite: InSuite[Any] | None = None

@@ -14,7 +14,7 @@ from typing import Any
 from kvkeep.bench.report import tables
 from kvkeep.bench.report.environment import markdown as env_markdown
 from kvkeep.bench.report.html import html
-from kvkeep.bench.report.results import errors, scenarios
+from kvkeep.bench.report.results import errors, scenarios, typed
 
 __all__ = ["errors", "markdown", "scenarios", "write_report"]
 
@@ -24,10 +24,12 @@ def markdown(doc: dict[str, Any]) -> str:
     registry = _registry()
     sections = registry.sections()
     parts = [
-        s.table(d) for name, d in scenarios(doc).items() if (s := sections.get(name)) and s.table
+        s.table(typed(d, s.result))
+        for name, d in scenarios(doc).items()
+        if (s := sections.get(name)) and s.table
     ]
     if "scenarios" in doc and len(parts) > 2:
-        parts.insert(0, tables.claims_table(doc, registry.claims()))
+        parts.insert(0, tables.claims_table(doc, registry.claims(), sections))
     if isinstance(doc.get("wall_s"), int | float):
         parts.append(f"This run took {_duration(doc['wall_s'])} (set-up excluded).")
     if isinstance(doc.get("environment"), dict):
@@ -50,11 +52,12 @@ def write_report(doc: dict[str, Any], out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
     paths: list[Path] = []
-    docs, sections = scenarios(doc), _registry().sections()
-    for name, d in docs.items():
-        s = sections.get(name)
-        if s is not None and s.plot is not None:
-            paths += s.plot(d, out, *((docs.get(s.beside),) if s.beside else ()))
+    sections = _registry().sections()
+    runs = {n: typed(d, sections[n].result) for n, d in scenarios(doc).items() if n in sections}
+    for name, run in runs.items():
+        s = sections[name]
+        if s.plot is not None:
+            paths += s.plot(run, out, *((runs.get(s.beside),) if s.beside else ()))
     body = "# kvkeep bench report\n\n" + markdown(doc)
     body += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in paths) + "\n"
     (out / "report.md").write_text(body)

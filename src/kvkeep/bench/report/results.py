@@ -1,4 +1,5 @@
-"""The two shapes of a results document, read alike, and the scenario runs that failed.
+"""The two shapes of a results document, read alike; the scenario runs that failed; and a
+scenario's document rebuilt as typed results (`Run`), which every table and plot reads.
 
 A results document is the JSON of the scenarios' result dataclasses (`result.to_json`): one
 scenario (`{"scenario": NAME, "modes": {...}}`) or several (`{"scenarios": {NAME: {...}}}`).
@@ -8,7 +9,41 @@ run in, or ``{"error": ...}`` for a run that failed.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from kvkeep.bench.result import from_json
+
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class Run(Generic[R]):
+    """One scenario's results, typed: each mode's result rebuilt by its class (`from_json`),
+    in the document's mode order; ``skipped``: the modes it does not run in (an empty
+    result); ``record``: the rest of its document (`bench all`'s size, `InSuite.record`).
+    A mode's connector profile (`--profile`) is not part of its result: `tables.profile_table`
+    reads it from the document."""
+
+    modes: dict[str, R]
+    skipped: tuple[str, ...] = ()
+    record: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def first(self) -> R | None:
+        """The first mode's result (what every mode shares: the sizes it ran at)."""
+        return next(iter(self.modes.values()), None)
+
+
+def typed(d: dict[str, Any], cls: type[R]) -> Run[R]:
+    """Scenario document ``d`` (failed modes left out: `scenarios`) with each mode's result
+    as a ``cls``. Raises ValueError naming a key the results lack."""
+    modes = {m: from_json(cls, r) for m, r in d["modes"].items() if r}
+    return Run(
+        modes,
+        tuple(m for m, r in d["modes"].items() if not r),
+        {k: v for k, v in d.items() if k not in ("modes", "scenario")},
+    )
 
 
 def _raw_scenarios(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:

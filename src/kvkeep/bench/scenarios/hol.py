@@ -26,7 +26,7 @@ from kvkeep.bench.command import Claim, Command, InSuite, Section
 from kvkeep.bench.context import RunContext
 from kvkeep.bench.deploy.vllm import build_command
 from kvkeep.bench.prompts import reset_device_cache
-from kvkeep.bench.report.tables import hol_table, times
+from kvkeep.bench.report.tables import Column, Table, times
 from kvkeep.bench.scenario import Needs, parse_sizes
 from kvkeep.launch.serve import flag_value
 from kvkeep.traffic.endpoint import StreamStats, complete_ids, discover_model
@@ -172,6 +172,25 @@ def reference(short_tokens: int, long_tokens: int) -> HOLScenario:
     return HOLScenario(short_tokens, long_tokens, name="hol@vllm-defaults", vllm_defaults=True)
 
 
+hol_table: Table[HOLResult] = Table(
+    "### S6: a cached request alone and beside a large uncached prefill\n\n",
+    (
+        Column("cached alone", lambda r: r.ttft_alone_s),
+        Column("beside prefill", lambda r: r.ttft_beside_prefill_s),
+        Column("ratio", lambda r: r.ratio, times),
+        Column("prefill alone", lambda r: r.long_prefill_alone_s),
+        Column("beside cached", lambda r: r.long_prefill_ttft_s),
+        Column("ratio", lambda r: r.long_prefill_ratio, times),
+        Column("prefill budget", lambda r: r.max_num_batched_tokens, lambda v: str(v or "default")),
+        Column(
+            "long-prefill threshold",
+            lambda r: r.long_prefill_token_threshold,
+            lambda v: str(v or "none"),
+        ),
+    ),
+)
+
+
 COMMAND = Command(
     name="hol",
     help="a cached request beside a large prefill (S6)",
@@ -179,14 +198,18 @@ COMMAND = Command(
     build=build,
     sections={"hol": Section(HOLResult, hol_table)},
     claims=(
-        Claim(
-            "S6 cached TTFT beside a big prefill / alone", "'still waits'", "hol", ("ratio",), times
+        Claim[HOLResult](
+            "S6 cached TTFT beside a big prefill / alone",
+            "'still waits'",
+            "hol",
+            lambda r: r.ratio,
+            times,
         ),
-        Claim(
+        Claim[HOLResult](
             "S6 the big prefill's TTFT beside it / alone",
             "(not measured)",
             "hol",
-            ("long_prefill_ratio",),
+            lambda r: r.long_prefill_ratio,
             times,
         ),
     ),

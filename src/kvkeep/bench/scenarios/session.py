@@ -7,19 +7,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from kvkeep.bench.command import Claim, Command, InSuite, Section, SuiteRun
+from kvkeep.bench.command import Claim, Command, Format, InSuite, Section, SuiteRun
 from kvkeep.bench.context import RunContext
 from kvkeep.bench.http import TurnResult, run_agents
 from kvkeep.bench.metrics import metrics_delta, vllm_counters
-from kvkeep.bench.report.plots import plot_session
-from kvkeep.bench.report.tables import count, session_table, times
+from kvkeep.bench.report.plots import figure
+from kvkeep.bench.report.results import Run
+from kvkeep.bench.report.tables import count, markdown_table, secs, times
 from kvkeep.bench.scenario import Needs
 from kvkeep.traffic.workload import (
     CharEstimate,
@@ -151,6 +152,51 @@ def _in_suite(scale: float, run: SuiteRun) -> list[SessionScenario]:
     return [SessionScenario(SessionSpec(scale=scale), run.counter)]
 
 
+# The report. The study's figures: a 30-turn coding-agent session on a GPU (DESIGN.md, S1).
+SESSION_ROWS: tuple[tuple[str, Callable[[SessionResult], Any], Format, str], ...] = (
+    ("last turn: prompt tokens", lambda r: r.last_turn_prompt_tokens, count, "~115k"),
+    ("total prompt tokens (30 turns)", lambda r: r.total_prompt_tokens, count, ">2M"),
+    ("total tokens computed (re-read)", lambda r: r.total_computed_tokens, count, ""),
+    (
+        "most tokens computed in one turn",
+        lambda r: r.max_turn_computed_tokens,
+        count,
+        "<=~10k (cached)",
+    ),
+    ("prompt / computed", lambda r: r.reread_ratio, times, "14x"),
+    ("mean TTFT", lambda r: r.ttft_mean_s, secs, ""),
+    ("last turn TTFT", lambda r: r.last_turn_ttft_s, secs, ""),
+    ("session wall time", lambda r: r.session_s, secs, ""),
+)
+
+
+def session_table(run: Run[SessionResult]) -> str:
+    """A row per figure, a column per mode (the study's figure beside them)."""
+    rows = [
+        [label, study, *(fmt(get(r)) for r in run.modes.values())]
+        for label, get, fmt, study in SESSION_ROWS
+    ]
+    spec = run.record.get("spec") or {}
+    scale = f" at scale {spec['scale']}" if "scale" in spec else ""
+    head = f"### S1: a {spec.get('turns', '?')}-turn coding-agent session{scale}\n\n"
+    return head + markdown_table(["", "study (scale 1)", *run.modes], rows)
+
+
+def plot_session(run: Run[SessionResult], out: Path) -> list[Path]:
+    """Computed tokens per turn and TTFT per turn, one line per mode."""
+    paths = []
+    for key, ylabel, name in (
+        ("computed_tokens", "tokens computed (prompt - cached)", "computed_tokens_per_turn.png"),
+        ("ttft_s", "time to first token (s)", "ttft_per_turn.png"),
+    ):
+        with figure(out / name, f"{ylabel} per turn, by cache mode", "turn", ylabel) as ax:
+            for mode, result in run.modes.items():
+                ax.plot([t[key] for t in result.turns], marker="o", markersize=3, label=mode)
+            ax.legend()
+        paths.append(out / name)
+    return paths
+
+
 COMMAND = Command(
     name="session",
     help="the study's 30-turn coding-agent session (S1)",
@@ -159,21 +205,23 @@ COMMAND = Command(
     document=document,
     sections={"session": Section(SessionResult, session_table, plot_session)},
     claims=(
-        Claim(
+        Claim[SessionResult](
             "S1 last turn: tokens computed",
             "115k -> <=10k",
             "session",
-            ("last_turn_computed_tokens",),
+            lambda r: r.last_turn_computed_tokens,
             count,
         ),
-        Claim(
+        Claim[SessionResult](
             "S1 session: tokens computed in total",
             ">2M -> ~145k",
             "session",
-            ("total_computed_tokens",),
+            lambda r: r.total_computed_tokens,
             count,
         ),
-        Claim("S1 prompt / computed", "14x", "session", ("reread_ratio",), times),
+        Claim[SessionResult](
+            "S1 prompt / computed", "14x", "session", lambda r: r.reread_ratio, times
+        ),
     ),
     # knobs: the session's scale
     in_suite=InSuite(
