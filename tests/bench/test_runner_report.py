@@ -154,6 +154,21 @@ def test_agents_runs_that_exceed_and_fit_the_pool_are_told_apart(tmp_path: Path)
     assert [p.name for p in paths if p.suffix == ".png"].count("turns_per_min.png") == 1
 
 
+def test_agents_whose_baselines_sampled_turns_are_compared_on_those_turns() -> None:
+    example = EXAMPLES["agents"]
+
+    def mode(every: float, sampled: float) -> dict:
+        summary = replace(example.summary, turns_per_min=every)
+        units = replace(example.summary, turns_per_min=sampled, late_turn_wait_s=0.5)
+        return to_json(replace(example, summary=summary, stride=3, sampled=units))
+
+    doc = {"scenario": "agents", "modes": {"none": mode(30.0, 30.0), "kvkeep": mode(90.0, 80.0)}}
+    md = report.markdown(doc)
+    assert "ran one turn in 3 of each session (10 of 30: 1, 4, ..., 28)" in md
+    assert "kvkeep over all its turns: 90.0 turns/min" in md
+    assert "| none | 30.0 | 1.000 s | 0.500 s |" in md and "| kvkeep | 80.0 |" in md
+
+
 def test_sse_lines_split_only_at_line_ends() -> None:
     """U+2028, U+2029 and U+0085 are legal unescaped in JSON strings: a line reader that
     splits like str.splitlines cut such a chunk in two (seen on a full `bench all`)."""

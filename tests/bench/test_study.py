@@ -10,7 +10,7 @@ import pytest
 from bench_examples import EXAMPLES
 
 from kvkeep.bench import report
-from kvkeep.bench.http import TurnResult, summarize_agents
+from kvkeep.bench.http import TurnResult, sampled_turns, summarize_agents, summarize_sample
 from kvkeep.bench.metrics import Counters, HitRates, cacheable_tokens, hit_split, mean_rates
 from kvkeep.bench.prompts import Queried
 from kvkeep.bench.result import to_json
@@ -93,6 +93,24 @@ def test_agents_summary_turns_per_minute_and_late_wait() -> None:
     assert s["wait_per_turn_s"]["0"] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
     # agent 0's last turn ends at 10 + 6 = 16 s: 6 turns in 16 s
     assert s["turns_per_min_per_agent"]["0"] == pytest.approx(6 / (16 / 60))
+
+
+def test_a_sample_of_turns_is_summarized_alike_whether_a_mode_ran_it_alone_or_every_turn() -> None:
+    assert sampled_turns(30, 3) == list(range(1, 30, 3)) and sampled_turns(4, 1) == [0, 1, 2, 3]
+    sample = sampled_turns(30, 3)
+
+    def rows(turns: list[int], latency: float) -> list[TurnResult]:
+        return [TurnResult(a, t, 100, 0, 100, 4, 0.1, latency * (t + 1), 0.0)
+                for a in range(2) for t in turns]  # fmt: skip
+
+    every = summarize_sample(rows(list(range(30)), 0.1), sample, 0.2, 2, 3)
+    alone = summarize_sample(rows(sample, 0.1), sample, 0.2, 2, 3)
+    assert every == alone and every.turns == 20
+    # each agent: 10 sampled turns, latencies 0.2, 0.5, ..., 2.9 s (15.5 s) and 10 tool delays
+    assert every.turns_per_min == pytest.approx(20 / (17.5 / 60))
+    assert every.late_turn_wait_s == pytest.approx((2.6 + 2.9) / 2)  # LATE_TURNS 5 at stride 3
+    slower = summarize_sample(rows(sample, 0.2), sample, 0.2, 2, 3)
+    assert slower.turns_per_min < every.turns_per_min
 
 
 def _phase(hit: float, ttft: float) -> Queried:

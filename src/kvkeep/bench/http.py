@@ -116,11 +116,15 @@ class AgentsSummary:
     mean_ttft_s: float
 
 
-def summarize_agents(results: list[TurnResult], wall_s: float, agents: int) -> AgentsSummary:
+def summarize_agents(
+    results: list[TurnResult], wall_s: float, agents: int, late: int = LATE_TURNS
+) -> AgentsSummary:
+    """Turns/min over ``wall_s``; ``late``: how many of each agent's last turns the late-turn
+    wait averages."""
     by_agent: dict[int, list[TurnResult]] = {}
     for r in sorted(results, key=lambda r: (r.agent, r.turn)):
         by_agent.setdefault(r.agent, []).append(r)
-    late = [r.latency_s for rows in by_agent.values() for r in rows[-LATE_TURNS:]]
+    late_rows = [r.latency_s for rows in by_agent.values() for r in rows[-late:]]
     return AgentsSummary(
         agents,
         len(results),
@@ -132,6 +136,30 @@ def summarize_agents(results: list[TurnResult], wall_s: float, agents: int) -> A
         },
         {str(a): [r.latency_s for r in rows] for a, rows in by_agent.items()},
         statistics.fmean(r.latency_s for r in results),
-        statistics.fmean(late),
+        statistics.fmean(late_rows),
         statistics.fmean(r.ttft_s for r in results),
     )
+
+
+def sampled_turns(turns: int, stride: int) -> list[int]:
+    """Every ``stride``-th turn of a ``turns``-turn session, starting half a stride in, so
+    that their mean index is the session's (a turn's cost grows with its index): 30 turns at
+    stride 3 give 1, 4, ..., 28. Stride 1: every turn."""
+    return list(range((stride - 1) // 2, turns, stride)) if stride > 1 else list(range(turns))
+
+
+def summarize_sample(
+    results: list[TurnResult], sample: Sequence[int], tool_delay_s: float, agents: int, stride: int
+) -> AgentsSummary:
+    """The agents' figures over the turns in ``sample`` alone, the same way in every mode
+    whether it ran only those or every turn: each agent's time is its sampled turns'
+    latencies and tool delays (a closed loop spends nothing else), the run's the slowest
+    agent's, and the late-turn wait covers as many sampled turns as ``LATE_TURNS`` turns
+    span (at stride 3, the last 2)."""
+    keep = set(sample)
+    rows = [r for r in results if r.turn in keep]
+    per_agent: dict[int, float] = {}
+    for r in rows:
+        per_agent[r.agent] = per_agent.get(r.agent, 0.0) + r.latency_s + tool_delay_s
+    late = max(1, -(-LATE_TURNS // stride))
+    return summarize_agents(rows, max(per_agent.values()), agents, late)

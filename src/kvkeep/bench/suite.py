@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from kvkeep.bench.command import Command, SuiteRun
 from kvkeep.bench.context import RunContext, Setup, deployment
+from kvkeep.bench.deploy import exit_on_sigterm
 from kvkeep.bench.deploy.vllm import MODES, LaunchConfig, LaunchError, VLLMServer
 from kvkeep.bench.metrics import kvkeep_profile
 from kvkeep.bench.result import to_json
@@ -120,16 +121,7 @@ def _run_batch(
     fails to start, or to stop, fails its mode's scenarios that have no result yet."""
     try:
         with contextlib.ExitStack() as stack:
-            ctxs: dict[str, RunContext] = {}
-            for mode, scenarios_ in batch.items():
-                _announce(mode, scenarios_)
-                bar.set_postfix_str(f"{mode}: starting")
-                try:
-                    ctxs[mode] = stack.enter_context(deployment(mode, cfg, needs, setup))
-                except (LaunchError, RuntimeError) as exc:
-                    for s in scenarios_:
-                        out[s.name][mode] = _failure(mode, s.name, exc)
-                    bar.update(len(scenarios_))
+            ctxs = _start(stack, batch, cfg, needs, setup, out, bar)
             for s, modes in rotation(group, {m: batch[m] for m in ctxs}):
                 stile = Turnstile(modes)
                 runs = {m: replace(ctxs[m], turnstile=stile) for m in modes}
@@ -148,6 +140,40 @@ def _run_batch(
         for mode, scenarios_ in batch.items():
             for s in scenarios_:
                 out[s.name].setdefault(mode, _failure(mode, s.name, exc))
+
+
+def _start(
+    stack: contextlib.ExitStack[Any],
+    batch: dict[str, list[Scenario]],
+    cfg: LaunchConfig,
+    needs: Needs,
+    setup: Setup,
+    out: Results,
+    bar: tqdm,
+) -> dict[str, RunContext]:
+    """The batch's deployments, started at once and stopped by ``stack``: a start is ~20 s,
+    mostly one process importing and loading on one core, so three modes' starts one after
+    the other cost `make demo` a minute per group where at once they cost ~30 s. A mode whose
+    deployment fails to start has its scenarios failed and is left out."""
+    exit_on_sigterm()  # here, in the main thread: the deployments start on others
+    stacks = {mode: stack.enter_context(contextlib.ExitStack()) for mode in batch}
+    for mode, scenarios_ in batch.items():
+        _announce(mode, scenarios_)
+    bar.set_postfix_str(f"{', '.join(batch)}: starting")
+    with ThreadPoolExecutor(len(batch)) as pool:
+        futures = {
+            mode: pool.submit(stacks[mode].enter_context, deployment(mode, cfg, needs, setup))
+            for mode in batch
+        }
+    ctxs: dict[str, RunContext] = {}
+    for mode, future in futures.items():
+        try:
+            ctxs[mode] = future.result()
+        except (LaunchError, RuntimeError) as exc:
+            for s in batch[mode]:
+                out[s.name][mode] = _failure(mode, s.name, exc)
+            bar.update(len(batch[mode]))
+    return ctxs
 
 
 def _take_turns(s: Scenario, ctx: RunContext, profile: bool) -> dict[str, Any]:
