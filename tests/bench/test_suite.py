@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import argparse
 import ast
+import typing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
 
-from kvkeep.bench import cli
+from kvkeep.bench import cli, suite
 from kvkeep.bench.context import Needs, RunContext, Setup
 from kvkeep.bench.deploy.vllm import LaunchConfig
 from kvkeep.bench.scenarios import hol
@@ -207,3 +208,21 @@ def test_together_is_off_for_scenarios_that_start_no_engine_or_several(tmp_path:
     assert not _shareable(Needs(replicas=2), s) and not _shareable(Needs(engine=False), s)
     assert _shareable(Needs(), s)
     assert not _shareable(Needs(), replace(s, endpoint="http://127.0.0.1:9"))
+
+
+def test_the_progress_bar_counts_measured_seconds_so_its_estimate_is_the_whole_run_s() -> None:
+    @dataclass
+    class Named:
+        name: str
+
+    long, short, unmeasured = Named("agents"), Named("ttft"), Named("new")
+    scenarios = typing.cast(list[suite.Scenario], [long, short, unmeasured])
+    with suite.Progress(scenarios, 2, {"agents": 100.0, "ttft": 10.0}) as bar:
+        assert bar._bar.total == 100 + 10 + 55  # the unmeasured one: the mean of the others
+        bar.done([long])  # agents done in one of its two modes: half its time
+        assert bar._bar.n == 50
+        bar.done([short, unmeasured])
+        assert bar._bar.n == 50 + 5 + 27.5
+    with suite.Progress(scenarios, 3, None) as bar:  # nothing measured: a scenario each
+        bar.done([long, short])
+        assert (bar._bar.n, bar._bar.total) == (2, 9)

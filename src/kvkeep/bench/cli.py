@@ -129,7 +129,10 @@ def main(argv: list[str]) -> int:
         return 2
     t0 = time.monotonic()
     args.modes = _modes(args.modes, scenarios)
-    results = suite.run_modes(scenarios, args.modes, setup, getattr(args, "profile", False))
+    expected = suite.size(args).seconds if name == "all" else None
+    results = suite.run_modes(
+        scenarios, args.modes, setup, getattr(args, "profile", False), expected
+    )
     env = environment(getattr(args, "model", None))
     output = COMMANDS[name].output
     if output is not None:  # one scenario in one mode

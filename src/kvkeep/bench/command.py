@@ -78,12 +78,16 @@ class SuiteRun:
 class InSuite(Generic[K]):
     """A scenario's part of `bench all`: its knobs at each size, and ``runs``: {place in the
     suite's run order (lower first): the scenarios the knobs make}; ``record``: more for its
-    document in the results."""
+    document in the results; ``quick_s``, ``full_s``: how long its scenarios took."""
 
     quick: K
     full: K
     runs: Mapping[int, Callable[[K, SuiteRun], Sequence[Scenario]]]
     record: Callable[[K], dict[str, Any]] | None = None
+    # {scenario: seconds it took in every mode, engine starts included, in a measured run of
+    # `bench all` at each size}: what the progress bar counts down from (no entry: unmeasured)
+    quick_s: Mapping[str, float] = field(default_factory=dict)
+    full_s: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,8 +7,9 @@ modes' deployments of a group are up at once and take turns (`kvkeep.bench.turns
 S4 (restart) on a device pool small enough that the capacity documents and the agents'
 working set exceed it, then S7 (real Claude Code sessions) on a pool of its own that their
 working set exceeds at least 3x.
-`--quick` is the demo's size (on 2 cores, modes taking turns: about 15 minutes with AMX, 32
-without); the default size takes longer.
+`--quick` is the demo's size (on 2 cores with AMX, modes taking turns: under 10 minutes;
+each scenario's measured seconds are beside its sizes, `InSuite.quick_s`); the default size
+takes longer.
 """
 
 from __future__ import annotations
@@ -45,7 +46,11 @@ Results = dict[str, dict[str, Any]]  # {scenario: {mode: result}}
 
 
 def run_modes(
-    scenarios: Sequence[Scenario], modes: Sequence[str], setup: Setup, profile: bool = False
+    scenarios: Sequence[Scenario],
+    modes: Sequence[str],
+    setup: Setup,
+    profile: bool = False,
+    expected: Mapping[str, float] | None = None,
 ) -> Results:
     """Every scenario in every mode; {scenario: {mode: result}}. With ``setup.endpoint`` the
     running server is measured once, under the mode name "endpoint". With ``profile``, each
@@ -61,10 +66,10 @@ def run_modes(
     same = itertools.groupby(scenarios, lambda s: _key(s.needs(), setup.base))
     groups = [list(g) for _, g in same]
     modes = ["endpoint"] if setup.endpoint else list(modes)
-    with tqdm(total=len(scenarios) * len(modes), desc="bench", unit="scenario") as bar:
+    with Progress(scenarios, len(modes), expected) as bar:
         for group in groups:
             todo = {mode: _todo(group, mode, setup, out) for mode in modes}
-            bar.update(sum(len(group) - len(t) for t in todo.values()))
+            bar.done([s for t in todo.values() for s in group if s not in t])
             todo = {mode: t for mode, t in todo.items() if t}
             needs = group[0].needs()
             cfg = launch_config(setup.base, needs, max(s.needs().tokens for s in group))
@@ -72,6 +77,47 @@ def run_modes(
             for batch in [todo] if together else [{m: t} for m, t in todo.items()]:
                 _run_batch(group, batch, cfg, needs, setup, out, bar, profile)
     return out
+
+
+class Progress:
+    """The run's progress bar, a scenario in one mode at a time. With ``expected`` seconds per
+    scenario (all its modes) it counts those: the bar's remaining time is then the whole
+    run's, at the pace the run has kept so far (a slower machine's estimate grows as it goes),
+    rather than the count of scenarios left at the average scenario's pace (S5's agents take
+    ten times S2's requests). A scenario with no measured time counts as the mean of those
+    with one."""
+
+    def __init__(
+        self, scenarios: Sequence[Scenario], modes: int, expected: Mapping[str, float] | None
+    ) -> None:
+        known = [expected[s.name] for s in scenarios if expected and s.name in expected]
+        mean = sum(known) / len(known) if known else 1.0
+        self._each = {
+            s.name: (expected.get(s.name, mean) if expected else modes) / max(modes, 1)
+            for s in scenarios
+        }
+        timed = (
+            "{desc}: {percentage:3.0f}%|{bar}| {elapsed} so far, about {remaining} left{postfix}"
+        )
+        self._bar = tqdm(
+            total=sum(self._each[s.name] * modes for s in scenarios),
+            desc="bench",
+            unit="scenario",
+            bar_format=timed if known else None,
+        )
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._bar.close()
+
+    def done(self, scenarios: Sequence[Scenario]) -> None:
+        """Each of ``scenarios`` finished (or was filed) in one mode."""
+        self._bar.update(sum(self._each[s.name] for s in scenarios))
+
+    def set_postfix_str(self, text: str) -> None:
+        self._bar.set_postfix_str(text)
 
 
 def _key(needs: Needs, base: LaunchConfig) -> tuple[object, ...]:
@@ -112,7 +158,7 @@ def _run_batch(
     needs: Needs,
     setup: Setup,
     out: Results,
-    bar: tqdm,
+    bar: Progress,
     profile: bool,
 ) -> None:
     """The deployments of ``batch``'s modes up at once; each scenario of the group run in
@@ -128,14 +174,14 @@ def _run_batch(
                 if len(modes) == 1:
                     bar.set_postfix_str(f"{modes[0]}: {s.name}")
                     out[s.name][modes[0]] = _take_turns(s, runs[modes[0]], profile)
-                    bar.update(1)
+                    bar.done([s])
                     continue
                 bar.set_postfix_str(f"{s.name}: {', '.join(modes)} taking turns")
                 with ThreadPoolExecutor(len(modes)) as pool:
                     futures = {m: pool.submit(_take_turns, s, runs[m], profile) for m in modes}
                     for mode, future in futures.items():
                         out[s.name][mode] = future.result()
-                        bar.update(1)
+                        bar.done([s])
     except (LaunchError, RuntimeError) as exc:  # a deployment failed to stop
         for mode, scenarios_ in batch.items():
             for s in scenarios_:
@@ -149,7 +195,7 @@ def _start(
     needs: Needs,
     setup: Setup,
     out: Results,
-    bar: tqdm,
+    bar: Progress,
 ) -> dict[str, RunContext]:
     """The batch's deployments, started at once and stopped by ``stack``: a start is ~20 s,
     mostly one process importing and loading on one core, so three modes' starts one after
@@ -172,7 +218,7 @@ def _start(
         except (LaunchError, RuntimeError) as exc:
             for s in batch[mode]:
                 out[s.name][mode] = _failure(mode, s.name, exc)
-            bar.update(len(batch[mode]))
+            bar.done(batch[mode])
     return ctxs
 
 
@@ -307,6 +353,7 @@ class Size:
     name: str  # "quick" or "full", as the results record it
     pool_blocks: int
     knobs: Mapping[str, Any]
+    seconds: Mapping[str, float]  # {scenario: measured seconds, all modes} (`InSuite`)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -316,8 +363,9 @@ class Size:
 
 
 def _size(name: str, pool_blocks: int) -> Size:
-    parts = ((c.name, c.in_suite) for c in SCENARIOS if c.in_suite is not None)
-    return Size(name, pool_blocks, {n: getattr(part, name) for n, part in parts})
+    parts = [(c.name, c.in_suite) for c in SCENARIOS if c.in_suite is not None]
+    seconds = {s: t for _, part in parts for s, t in getattr(part, f"{name}_s").items()}
+    return Size(name, pool_blocks, {n: getattr(part, name) for n, part in parts}, seconds)
 
 
 QUICK = _size("quick", pool_blocks=128)
@@ -354,7 +402,7 @@ def records(size: Size) -> dict[str, dict[str, Any]]:
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quick", action="store_true", help="the demo's size (15-35 min, 2 cores)")
+    p.add_argument("--quick", action="store_true", help="the demo's size (about 10 min on 2 cores with AMX)")
     p.set_defaults(out=Path("kvkeep-report"))
 
 

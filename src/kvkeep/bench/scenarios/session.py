@@ -229,5 +229,7 @@ COMMAND = Command(
         full=0.25,
         runs={10: _in_suite},
         record=lambda scale: {"spec": {"turns": SessionSpec().turns, "scale": scale}},
+        # seconds in all three modes, engine starts included (`make demo`, 2 cores with AMX)
+        quick_s={"session": 91},
     ),
 )
