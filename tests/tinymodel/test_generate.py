@@ -130,3 +130,32 @@ def test_deepseek_writes_an_mla_model_vllm_can_load(tmp_path: Path) -> None:
     assert spec.kv_bytes_per_token == 2 * 576 * 2
     with pytest.raises(ValueError, match="--dtype"):
         TinyModelSpec(dtype="float8").validate()
+
+
+def test_qwen3_next_writes_a_gdn_hybrid_whose_state_keeps_its_context(tmp_path: Path) -> None:
+    """`--arch qwen3-next`: gated DeltaNet layers with full attention every 4th, the tensors
+    vLLM's Qwen3-Next loader reads (one mixture-of-experts layer, which it requires), and a
+    state that decays slowly enough to carry a prefix across a 256-token block."""
+    assert main(["model", "tiny", str(tmp_path / "q"), "--arch", "qwen3-next",
+                 "--vocab", "1024"]) == 0  # fmt: skip
+    cfg = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3NextForCausalLM"]
+    assert cfg["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    assert cfg["mlp_only_layers"] == [1, 2, 3] and cfg["num_experts"] == 2
+    spec = TinyModelSpec(arch="qwen3-next", vocab=1024)
+    tensors = _read_safetensors(write_tiny_model(tmp_path / "b", spec) / WEIGHTS_FILE)
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == weight_shapes(spec)
+    gdn, full = "model.layers.0.linear_attn.", "model.layers.3.self_attn."
+    assert tensors[gdn + "in_proj_qkvz.weight"].shape == (2 * 2 * 64 + 2 * 4 * 64, 256)
+    assert tensors[gdn + "conv1d.weight"].shape == (2 * 2 * 64 + 4 * 64, 1, 4)
+    assert np.all(tensors[gdn + "A_log"] == -6.0) and np.all(tensors[gdn + "dt_bias"] == 0.0)
+    assert np.all(tensors[gdn + "norm.weight"] == 1.0)  # a plain scale, not 1 + weight
+    assert np.all(tensors["model.layers.0.input_layernorm.weight"] == 0.0)  # 1 + weight
+    assert tensors[full + "q_proj.weight"].shape == (2 * 4 * 64, 256)  # queries and gate
+    assert "model.layers.0.mlp.experts.1.up_proj.weight" in tensors
+    assert "model.layers.1.mlp.gate_proj.weight" in tensors  # dense
+    assert spec.kv_bytes_per_token == 1 * 2 * 2 * 64 * 2  # the one full-attention layer
+    with pytest.raises(ValueError, match="at least 4"):
+        TinyModelSpec(arch="qwen3-next", layers=3).validate()
+    with pytest.raises(ValueError, match="bfloat16 only"):
+        TinyModelSpec(arch="qwen3-next", dtype="float32").validate()

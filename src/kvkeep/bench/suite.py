@@ -402,7 +402,9 @@ def records(size: Size) -> dict[str, dict[str, Any]]:
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quick", action="store_true", help="the demo's size (about 10 min on 2 cores with AMX)")
+    p.add_argument(
+        "--quick", action="store_true", help="the demo's size (about 10 min on 2 cores with AMX)"
+    )
     p.set_defaults(out=Path("kvkeep-report"))
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from kvkeep.launch.model_support import refusal, state_layers
+from kvkeep.plan.state import gdn_state
 
 DTYPE_BYTES = {
     "float32": 4,
@@ -110,6 +111,24 @@ def _hf(repo: str, **config: Any) -> tuple[dict[str, Any], str]:
 
 # Values copied from each model's published config.json (only the fields that size the KV).
 PRESETS: dict[str, tuple[dict[str, Any], str]] = {
+    # Qwen3-Next-80B-A3B: 48 layers, every 4th full attention (12), the others gated DeltaNet
+    # (36). kvkeep does not serve it yet; `kvkeep plan` gives its sizes (`plan.state`).
+    "qwen3-next-80b-a3b": _hf(
+        "Qwen/Qwen3-Next-80B-A3B-Instruct",
+        model_type="qwen3_next",
+        num_hidden_layers=48,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 12,
+        hidden_size=2048,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        torch_dtype="bfloat16",
+    ),
     "llama-3.1-8b": _hf(
         "meta-llama/Llama-3.1-8B-Instruct",
         num_hidden_layers=32,
@@ -270,7 +289,11 @@ def footprint_from_config(
     """The footprint of a HF config dict (multimodal configs: their ``text_config``)."""
     found = state_layers(config)
     if found is not None:
-        raise ValueError(refusal(found, name))
+        state = gdn_state(
+            config, _dtype_bytes(kv_dtype or _dtype(config.get("text_config") or config))
+        )
+        sizes = f"\n{state.describe(name)}." if state else ""
+        raise ValueError(refusal(found, name) + sizes)
     cfg = config.get("text_config") or config
     layers = _int(cfg, "num_hidden_layers", source)
     window, sliding = _sliding(cfg, layers, str(config.get("model_type") or ""))

