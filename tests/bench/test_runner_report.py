@@ -234,3 +234,12 @@ def test_the_model_summary_shows_a_sliding_window_models_pattern(tmp_path: Path)
         json.dumps({"model_type": "gemma3", "text_config": config})
     )
     assert model_summary(tmp_path)["sliding_window"] == 512  # multimodal: the text model's
+
+
+def test_a_kvkeep_tier_a_mode_does_not_have_reads_as_not_measured() -> None:
+    example = EXAMPLES["capacity"]
+    modes = {"vllm": to_json(replace(example, rates=HitRates(0.0, 0.0, 0.0))),
+             "kvkeep": to_json(example)}  # fmt: skip
+    md = report.markdown({"scenario": "capacity", "modes": modes})
+    assert "| vllm | 0.0% | 0.0% | - | - | 0.300 s |" in md
+    assert "| kvkeep | 75.0% | 25.0% | 12.5% | 37.5% | 0.300 s |" in md

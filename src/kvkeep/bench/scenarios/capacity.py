@@ -205,8 +205,9 @@ def _tiers(run: Run[CapacityResult]) -> list[str]:
     return sorted(k.removesuffix("_hit_rate") for k in keys)
 
 
-def _tier_rate(tier: str) -> Callable[[CapacityResult], float]:
-    return lambda r: r.rates.get(f"{tier}_hit_rate")
+def _tier_rate(tier: str) -> Callable[[CapacityResult], float | None]:
+    """A kvkeep tier's hit rate; None ("-") in a mode without that tier."""
+    return lambda r: r.rates.tiers.get(f"{tier}_hit_rate")
 
 
 def capacity_table(run: Run[CapacityResult]) -> str:
