@@ -21,7 +21,7 @@ from kvkeep.bench.cli import (
 )
 from kvkeep.bench.context import Needs, RunContext, Setup
 from kvkeep.bench.deploy.vllm import LaunchConfig
-from kvkeep.bench.suite import _run_batch, run_modes
+from kvkeep.bench.suite import Progress, _run_batch, run_modes
 from kvkeep.bench.turns import Turnstile
 from kvkeep.launch.installed_vllm import installed_vllm
 
@@ -133,12 +133,9 @@ def test_a_group_runs_each_scenario_in_its_modes_at_once_unit_by_unit(
     setup = Setup(LaunchConfig(model=tmp_path, log_dir=tmp_path), together=True)
     out: dict[str, dict[str, object]] = {"marked": {}, "whole": {}}
 
-    class Bar:
-        def set_postfix_str(self, _: str) -> None: ...
-        def update(self, _: int) -> None: ...
-
     todo = {"vllm": [marked, whole], "kvkeep": [marked, whole]}
-    _run_batch([marked, whole], todo, setup.base, Needs(engine=False), setup, out, Bar(), False)  # type: ignore[arg-type]
+    with Progress([marked, whole], 2, None) as bar:
+        _run_batch([marked, whole], todo, setup.base, Needs(engine=False), setup, out, bar, False)
     assert log == [("marked", "vllm"), ("marked", "kvkeep")] * 2 + [
         ("whole", "kvkeep"), ("whole", "kvkeep"), ("whole", "vllm"), ("whole", "vllm")]  # fmt: skip
     assert out["marked"] == {"vllm": {"units": 2}, "kvkeep": {"units": 2}}
