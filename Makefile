@@ -6,6 +6,7 @@ STAMP  := $(VENV)/.kvkeep-installed
 MODEL  := .cache/tiny-model
 GEMMA3 := .cache/tiny-gemma3
 MLA    := .cache/tiny-mla
+GDN    := .cache/tiny-qwen3-next
 
 .PHONY: setup model demo test lint unit e2e clean redis
 
@@ -22,7 +23,7 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $(STAMP)
 
-model: $(MODEL)/config.json $(GEMMA3)/config.json $(MLA)/config.json
+model: $(MODEL)/config.json $(GEMMA3)/config.json $(MLA)/config.json $(GDN)/config.json
 
 # config.json is written last: its presence means the weights and tokenizer are complete. The
 # model is rebuilt when its generator changes.
@@ -37,6 +38,11 @@ $(GEMMA3)/config.json: $(STAMP) src/kvkeep/tinymodel/generate.py src/kvkeep/tiny
 # after a cache hit can be compared with the cold one without bf16's rounding.
 $(MLA)/config.json: $(STAMP) src/kvkeep/tinymodel/generate.py src/kvkeep/tinymodel/arch.py
 	$(VENV)/bin/kvkeep model tiny $(MLA) --arch deepseek --dtype float32
+
+# The linear-attention hybrid of the state tests: Qwen3-Next's gated DeltaNet layers (3) and
+# one full-attention layer, whose state reads its context.
+$(GDN)/config.json: $(STAMP) src/kvkeep/tinymodel/generate.py src/kvkeep/tinymodel/arch.py
+	$(VENV)/bin/kvkeep model tiny $(GDN) --arch qwen3-next
 
 demo: setup $(MODEL)/config.json
 	$(VENV)/bin/kvkeep demo --model $(MODEL)
@@ -53,7 +59,7 @@ redis:
 	scripts/redis-test-server.sh install
 
 TEST_MODELS := KVKEEP_TINY_MODEL=$(abspath $(MODEL)) KVKEEP_TINY_GEMMA3=$(abspath $(GEMMA3)) \
-	KVKEEP_TINY_MLA=$(abspath $(MLA))
+	KVKEEP_TINY_MLA=$(abspath $(MLA)) KVKEEP_TINY_QWEN3_NEXT=$(abspath $(GDN))
 
 test: setup model lint redis
 	$(TEST_MODELS) $(VENV)/bin/pytest -q

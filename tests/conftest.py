@@ -49,6 +49,18 @@ def tiny_mla(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny-mla"), spec)
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen3_next(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen3-Next-style hybrid (3 gated DeltaNet layers, then 1 full attention)
+    `make test` generated (KVKEEP_TINY_QWEN3_NEXT), or a fresh one."""
+    given = os.environ.get("KVKEEP_TINY_QWEN3_NEXT")
+    if given and (Path(given) / "config.json").is_file() and (Path(given) / WEIGHTS_FILE).is_file():
+        return Path(given)
+    return write_tiny_model(
+        tmp_path_factory.mktemp("tiny-qwen3-next"), TinyModelSpec(arch="qwen3-next")
+    )
+
+
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisProcess]:
     """A private redis-server (maxmemory + allkeys-lru) on 127.0.0.1, stopped by PID.

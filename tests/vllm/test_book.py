@@ -374,3 +374,49 @@ def test_a_request_failed_as_a_whole_claims_no_more() -> None:
     book.on_alloc("r", tokens(29), None, list(range(8)), 20)
     assert book.on_loads_finished({"r"}, set(), {"r"}) == {"r"}
     assert not book.claims_for("r")
+
+
+# --- recurrent state (a linear-attention hybrid's state group) ---------------------------------
+
+
+def state_book(policy: str = "reused") -> RequestBook:
+    return RequestBook(NS, 1, window=BS, null_block=0, state=True, state_boundaries=policy)
+
+
+def test_a_state_group_loads_only_the_state_at_the_hits_last_boundary() -> None:
+    """vLLM's align-mode table holds nulls before the hit's last column and a fresh block
+    there: the state after (local + external) blocks goes into that block, and nothing else
+    loads."""
+    book = state_book()
+    ids = tokens(21)  # 5 full blocks, 5 claimable
+    table = [0, 0, 0, 0, 7, 9]  # column 4: the state after 5 blocks; 9: the running state
+    load = book.on_alloc("r", ids, None, table, 5 * BS)
+    assert load is not None
+    keys = chain_keys(NS.root_key(), ids, BS)
+    assert load.blocks == (BlockTransfer(7, keys[4]),)
+    with pytest.raises(ValueError, match="one block"):
+        RequestBook(NS, 1, window=2 * BS, state=True)
+
+
+def test_a_state_group_keeps_the_snapshots_later_prompts_reuse() -> None:
+    """Of the boundaries vLLM offers, "reused" keeps the prompt's last claimable one, the
+    branch point from what kvkeep held, and the reply's; "every" keeps all. A null block, a
+    partial block and a boundary past the tokens are never saved."""
+    ids = tokens(30)  # claimable: (30 - 1) // 4 = 7 blocks
+    keys = chain_keys(NS.root_key(), ids, BS)
+    offers = [(10 + b, b * BS) for b in range(1, 8)] + [(0, 4 * BS), (20, 5 * BS + 2)]
+    book = state_book()
+    book.remember_branch("r", 3)  # kvkeep held 3 blocks of this prompt's attention KV
+    book.on_alloc("r", ids, None, [0] * 8, 0)
+    saved = book.state_saves("r", offers, ids, None)
+    assert saved == [BlockTransfer(13, keys[2]), BlockTransfer(17, keys[6])]
+    reply = ids + tokens(6, 900)  # decode wrote the state after 9 blocks
+    more = chain_keys(NS.root_key(), reply, BS)
+    assert book.state_saves("r", [(19, 9 * BS), (21, 9 * BS + 1)], reply, None) == [
+        BlockTransfer(19, more[8])
+    ]
+    assert book.state_saves("r", [(19, 12 * BS)], reply, None) == []  # beyond the tokens
+    every = state_book("every")
+    every.on_alloc("r", ids, None, [0] * 8, 0)
+    assert [t.block_id for t in every.state_saves("r", offers, ids, None)] == list(range(11, 18))
+    assert every.saves_after("r", 30, ids, None) == [], "a state group saves what vLLM offers"

@@ -596,6 +596,30 @@ def test_a_hybrid_hit_needs_the_full_prefix_and_only_the_sliding_window(
     assert swa[0] != full[0], "the groups' keys differ"
 
 
+def test_a_state_hybrids_claim_steps_back_to_the_last_boundary_with_a_state(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Group 0 holds recurrent state (a window of one block), group 1 is full attention. A
+    9-block prompt (claimable 8) whose attention KV kvkeep holds for 8 blocks, with a state
+    after 5 blocks only: the claim is 5 blocks (every group has what that needs), and the
+    branch at 8 is remembered so a state is kept there. No state at all: no hit."""
+    spaces = [replace(NS, layout=f"state/g{g}") for g in range(2)]
+    fake_namespaces(monkeypatch, spaces)
+    monkeypatch.setattr(compat, "expected_block_bytes", lambda kv_cache_config, group=0: 1024)
+    monkeypatch.setattr(compat, "group_windows", lambda kv_cache_config: (BS, None))
+    monkeypatch.setattr(compat, "group_states", lambda kv_cache_config, n: (True, False))
+    client = GroupClient()
+    scheduler = SchedulerSide(None, None, client)  # type: ignore[arg-type]
+    req = request(n=9 * BS)
+    state, full = (b.keys_for(req.request_id, req.all_token_ids, None) for b in scheduler.books)
+    client.present[scheduler.sessions[1].digest] = set(full[:8])
+    client.present[scheduler.sessions[0].digest] = {state[4]}
+    assert scheduler.match(req, 0) == (5 * BS, True)
+    assert scheduler.books[0]._branches[req.request_id] == 8
+    client.present[scheduler.sessions[0].digest] = set()
+    assert scheduler.match(request("other", n=9 * BS), 0) == (0, False)
+
+
 # --- MLA: one copy of the latent for every tensor-parallel rank -----------------------------------
 
 

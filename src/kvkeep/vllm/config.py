@@ -27,6 +27,17 @@ hit on the step (idle engine, 2 cores with AMX: 64 blocks reached the first toke
 the step, 57 ms in the background). A number of blocks is a fixed threshold; null: never."""
 
 
+STATE_BOUNDARIES = {
+    "reused": "the snapshots a later prompt reuses: at each prompt's last boundary (the next "
+    "turn extends it), in its reply, and where it left a prefix kvkeep held (a sub-agent's "
+    "shared system prompt)",
+    "every": "every snapshot vLLM writes at a block boundary",
+}
+"""A linear-attention hybrid's snapshot is tens of MiB (Qwen3-Next-80B: 37.7 MiB in bf16,
+as much as 1,608 tokens of its attention KV), so saving one at every block boundary stores
+more state than KV; ``kvkeep plan --state-policy`` compares the two on a trace."""
+
+
 @dataclass(frozen=True)
 class ConnectorConfig:
     """``kv_connector_extra_config``, validated. Unknown keys are refused, not ignored.
@@ -45,6 +56,8 @@ class ConnectorConfig:
     # request waits a step or more, other requests' steps do not wait for its copies.
     # None: every load is synchronous.
     load_async_min_blocks: int | str | None = "auto"  # "auto": LOAD_ASYNC_MIN_BYTES of blocks
+    # which recurrent-state snapshots a linear-attention hybrid saves (``STATE_BOUNDARIES``)
+    state_boundaries: str = "reused"
 
     def __post_init__(self) -> None:
         if not self.socket:
@@ -55,6 +68,11 @@ class ConnectorConfig:
             raise ValueError(f"max_backoff_s must lie in (0, 600], got {self.max_backoff_s}")
         if self.staging_mib is not None and not 1 <= self.staging_mib <= 65536:
             raise ValueError(f"staging_mib must lie in [1, 65536] MiB, got {self.staging_mib}")
+        if self.state_boundaries not in STATE_BOUNDARIES:
+            raise ValueError(
+                f"state_boundaries must be one of {sorted(STATE_BOUNDARIES)}, got "
+                f"{self.state_boundaries!r}"
+            )
         blocks = self.load_async_min_blocks
         if blocks != "auto" and blocks is not None and (not isinstance(blocks, int) or blocks < 1):
             raise ValueError(
@@ -74,19 +92,23 @@ class ConnectorConfig:
             )
         if "socket" not in extra:
             raise ValueError("kv_connector_extra_config needs 'socket' (the cache server's)")
+        strings = ("state_boundaries",)
         audit = extra.get("audit", False)
         if not isinstance(audit, bool):
             raise ValueError(f"kv_connector_extra_config.audit must be true or false: {audit!r}")
         whole = ("load_async_min_blocks",)
         numbers: dict[str, Any] = {
-            k: float(v) for k, v in extra.items() if k not in ("socket", "audit", *whole)
+            k: float(v) for k, v in extra.items() if k not in ("socket", "audit", *whole, *strings)
         }
         for key in whole:
             if key in extra:
                 numbers[key] = (
                     extra[key] if extra[key] == "auto" else _whole_or_none(key, extra[key])
                 )
-        return cls(socket=str(extra["socket"]), audit=audit, **numbers)
+        config = cls(socket=str(extra["socket"]), audit=audit, **numbers)
+        if "state_boundaries" in extra:
+            config = dataclasses.replace(config, state_boundaries=str(extra["state_boundaries"]))
+        return config
 
     def async_min_blocks(self, block_bytes: int) -> int | None:
         """The smallest hit, in blocks of ``block_bytes``, that loads asynchronously (None:

@@ -108,6 +108,7 @@ class KVKeepConnector(KVConnectorBase_V1, SupportsHMA):
                 client,
                 config.async_min_blocks(block_bytes),
                 config.sync_when_alone,
+                config.state_boundaries,
             )
         else:
             staging = None if config.staging_mib is None else int(config.staging_mib * (1 << 20))

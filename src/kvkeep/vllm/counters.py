@@ -44,6 +44,10 @@ COUNTER_NAMES = (
     "window_loaded_tokens",
     "window_load_failed_tokens",
     "window_saved_tokens",
+    # a hybrid's recurrent-state snapshots, one per group and boundary (counts, not tokens)
+    "states_loaded",
+    "states_load_failed",
+    "states_saved",
     "save_failures",
     "saves_dropped",
     "saves_skipped_busy",

@@ -39,7 +39,8 @@ class LayoutDescription(NamedTuple):
     block_size: int
     num_groups: int
     layer_names: tuple[str, ...]  # the single group's layers, in order
-    page_size_bytes: int  # the spec's page, padding included
+    page_size_bytes: int  # the spec's page, padding included (a state group's: its content)
+    state: bool = False  # a recurrent state group: a [blocks, 1, 1, bytes] int8 view per layer
 
 
 @dataclass(frozen=True)
@@ -198,6 +199,9 @@ def _check_description(d: LayoutDescription) -> None:
 
 
 def _check_view(name: str, view: torch.Tensor, d: LayoutDescription) -> None:
+    if d.state:
+        _check_state_view(name, view, d)
+        return
     if view.dim() != 4:
         raise UnsupportedLayout(
             f"{name}: expected a logical [blocks, heads, tokens, content] view, "
@@ -214,6 +218,22 @@ def _check_view(name: str, view: torch.Tensor, d: LayoutDescription) -> None:
         raise UnsupportedLayout(
             f"{name}: a page is {page} bytes but the spec says {d.page_size_bytes} "
             "(padded or packed pages are not copied by kvkeep)"
+        )
+
+
+def _check_state_view(name: str, view: torch.Tensor, d: LayoutDescription) -> None:
+    """A state layer's cache as vLLM registers it: one page of raw bytes per block,
+    ``[blocks, 1, 1, content bytes]`` in int8, its block stride the padded page; the state
+    tensors (a conv window, an SSM matrix) are views at fixed offsets inside that page."""
+    if view.dim() != 4 or tuple(view.shape[1:3]) != (1, 1) or view.element_size() != 1:
+        raise UnsupportedLayout(
+            f"{name}: expected a state page per block ([blocks, 1, 1, bytes] of int8), got "
+            f"{tuple(view.shape)} {view.dtype}"
+        )
+    if view.shape[0] != d.num_blocks or view.shape[3] != d.page_size_bytes:
+        raise UnsupportedLayout(
+            f"{name}: state view {tuple(view.shape)} disagrees with the cache config "
+            f"({d.num_blocks} blocks of a {d.page_size_bytes}-byte state)"
         )
 
 

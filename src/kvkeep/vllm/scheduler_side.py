@@ -26,6 +26,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.kvkeep")
 
 PENDING_BACKEND = "pending"  # no key is made under it (``SchedulerSide._backend_known``)
+# How far a hybrid's claim steps back, in boundaries, looking for one with a state in every
+# state group: one LOOKUP of one key per group and step (about 0.1 ms on a local socket).
+# States sit at each prompt's last boundary and reply, so a new turn finds one within its
+# new tokens (Claude Code turns add 1-5k tokens: a few 256-token blocks).
+STATE_STEPS_BACK = 64
 
 
 class SchedulerSide:
@@ -39,9 +44,12 @@ class SchedulerSide:
         client: KVKeepClient,
         load_async_min_blocks: int | None = None,
         sync_when_alone: bool = False,
+        state_boundaries: str = "reused",
     ) -> None:
         self.vllm_config = vllm_config
+        self._state_boundaries = state_boundaries
         windows = compat.group_windows(kv_cache_config)
+        self._states = compat.group_states(kv_cache_config, len(windows))
         # With several KV cache groups vLLM takes load failures only as whole requests of
         # asynchronous loads (``failed_recving``), so every load is asynchronous there.
         self.hybrid = len(windows) > 1
@@ -57,6 +65,7 @@ class SchedulerSide:
         self.client = client
         self._configs = (vllm_config, kv_cache_config)
         self._threshold, self._windows = threshold, windows
+        self._windowed = [g for g, w in enumerate(windows) if w is not None]
         self._sync_when_alone = sync_when_alone and not self.hybrid
         # On CPU, and for MLA (whose backend only a worker's layers name), the workers'
         # connector handshake brings the backend, before any request.
@@ -87,6 +96,8 @@ class SchedulerSide:
                 window,
                 compat.NULL_BLOCK_ID,
                 self._sync_when_alone,
+                self._states[g],
+                self._state_boundaries,
             )
             for g, window in enumerate(self._windows)
         ]
@@ -94,7 +105,7 @@ class SchedulerSide:
             self.client.session(
                 book.namespace,
                 compat.expected_block_bytes(kv_cache_config, g),
-                label=compat.group_label("scheduler", g, self._windows),
+                label=compat.group_label("scheduler", g, self._windows, self._states),
             )
             for g, book in enumerate(self.books)
         ]
@@ -247,11 +258,14 @@ class SchedulerSide:
             return 0
 
     def _lookup_groups(self, request: Any, claim: ClaimRange) -> int:
-        """vLLM's hybrid hit rule over kvkeep's groups: the full-attention groups' common
-        leading run from ``claim.first`` gives the hit N; it stands if every sliding-window
-        group holds its blocks ``[max(first, window_start(N)), N)``, else there is no hit (a
-        shorter N would need more LOOKUPs, and saves keep the sliding blocks of the
-        claimable ends that later prompts hit)."""
+        """vLLM's hybrid hit rule over kvkeep's groups. The full-attention groups' common
+        leading run from ``claim.first`` bounds the hit N; a sliding-window group needs its
+        blocks ``[max(first, window_start(N)), N)`` and a state group the state at N's last
+        boundary (a window of one block). Without state groups N stands or there is no hit (a
+        shorter N would need more LOOKUPs, and saves keep the sliding blocks of the claimable
+        ends that later prompts hit). With them, states exist at a few boundaries only
+        (``RequestBook.state_saves``), so the claim steps back to the last boundary where
+        every group has what it needs, at most ``STATE_STEPS_BACK`` boundaries."""
         if claim.empty:
             return 0
         self.counters.add("lookups", 1)
@@ -259,11 +273,21 @@ class SchedulerSide:
         for g, book in enumerate(self.books):
             if book.window is None:
                 hit = claim.first + self._present(request, g, claim.first, hit)
-        for g, book in enumerate(self.books):
-            first = max(claim.first, book.window_start(hit * book.block_size))
-            if book.window is not None and self._present(request, g, first, hit) < hit - first:
-                return 0
-        return hit - claim.first
+        if any(self._states):
+            for book in self.books:  # the attention prefix kvkeep holds: a state kept there
+                book.remember_branch(request.request_id, hit)  # serves the next sibling
+        steps = STATE_STEPS_BACK if any(self._states) else 1
+        for n in range(hit, max(claim.first, hit - steps), -1):
+            if all(self._window_present(request, g, claim.first, n) for g in self._windowed):
+                return n - claim.first
+        return 0
+
+    def _window_present(self, request: Any, group: int, first: int, hit: int) -> bool:
+        """Whether windowed (or state) group ``group`` holds what a hit of ``hit`` blocks
+        needs from it."""
+        book = self.books[group]
+        start = max(first, book.window_start(hit * book.block_size))
+        return self._present(request, group, start, hit) == hit - start
 
     def _present(self, request: Any, group: int, first: int, limit: int) -> int:
         """How many of group ``group``'s keys ``[first, limit)`` lead present (0 if down)."""
@@ -335,6 +359,8 @@ class SchedulerSide:
     def _group_plan(self, out: Any, group: int) -> StepPlan:
         book = self.books[group]
         saves: list[BlockTransfer] = []
+        if book.state:
+            saves = self._state_saves(book, group, compat.boundary_states(out))
         for new in out.scheduled_new_reqs:
             book.update_blocks(new.req_id, compat.new_block_ids_of(new.block_ids, group), True)
             self.guard.progress(new.req_id, new.num_computed_tokens, book.block_size)
@@ -349,6 +375,20 @@ class SchedulerSide:
             after = cached.num_computed_tokens[i] + out.num_scheduled_tokens.get(req_id, 0)
             saves += self._saves(book, req_id, after)
         return book.take_plan(saves)
+
+    def _state_saves(
+        self, book: RequestBook, group: int, offers: dict[str, list[tuple[int, int, int]]]
+    ) -> list[BlockTransfer]:
+        """The boundary states of ``group`` that vLLM offers this step and the book keeps."""
+        saves: list[BlockTransfer] = []
+        for req_id, entries in offers.items():
+            request = self._requests.get(req_id)
+            mine = [(block, tokens) for g, block, tokens in entries if g == group]
+            if request is None or not mine:
+                continue
+            tokens = compat.request_tokens(request)
+            saves += book.state_saves(req_id, mine, tokens, compat.request_salt(request))
+        return saves
 
     def _saves(
         self, book: RequestBook, req_id: str, num_computed_after: int

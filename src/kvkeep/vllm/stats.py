@@ -63,6 +63,9 @@ class KVKeepPromMetrics(KVConnectorPromMetrics):
         "save_failures": "save_failed",
         "saves_dropped": "save_dropped_after_failed_load",  # blocks
         "saves_skipped_busy": "save_skipped_staging_full",  # blocks
+        "states_loaded": "state_loaded",  # recurrent-state snapshots, per group
+        "states_load_failed": "state_load_failed",
+        "states_saved": "state_saved",
         "async_loads": "async_load",  # requests
         "async_loads_failed": "async_load_failed",  # requests with a failed block
         "admissions_deferred": "admission_deferred",  # a vLLM hit on an unconfirmed load

@@ -69,6 +69,8 @@ class WorkerSide:
         self.vllm_config, self.kv_cache_config = vllm_config, kv_cache_config
         self.group = group
         self.windows = compat.group_windows(kv_cache_config)
+        self.states = compat.group_states(kv_cache_config, len(self.windows))
+        self.state = self.states[group] if group < len(self.states) else False
         self.client = client
         self.audit = audit
         self.staging_bytes = staging_bytes
@@ -131,7 +133,7 @@ class WorkerSide:
         ns = compat.namespace(self.vllm_config, self.kv_cache_config, self.group)
         if self.key_rank:
             ns = replace(ns, tp_rank=self.key_rank)
-        label = compat.group_label(f"worker{self.tp_rank}", self.group, self.windows)
+        label = compat.group_label(f"worker{self.tp_rank}", self.group, self.windows, self.states)
         try:
             self.client.hello(ns, self.layout.block_bytes, label)
         except Exception as exc:
@@ -144,7 +146,9 @@ class WorkerSide:
             ns = plan.namespace
             if self.key_rank:
                 ns = replace(ns, tp_rank=self.key_rank)
-            label = compat.group_label(f"worker{self.tp_rank}", self.group, self.windows)
+            label = compat.group_label(
+                f"worker{self.tp_rank}", self.group, self.windows, self.states
+            )
             self._sessions[digest] = self.client.session(ns, self.layout.block_bytes, label)
         return self._sessions[digest]
 
@@ -313,7 +317,10 @@ class WorkerSide:
     # bookkeeping ---------------------------------------------------------------------------
 
     def _count(self, name: str, amount: float) -> None:
-        if self.windows[self.group] is not None and name in WINDOW_COUNTED:
+        if self.state and name in WINDOW_COUNTED:  # a state is one snapshot, not tokens
+            block_size = self.layout.description.block_size if self.layout is not None else 1
+            name, amount = "states_" + name.removesuffix("_tokens"), amount // block_size
+        elif self.windows[self.group] is not None and name in WINDOW_COUNTED:
             name = "window_" + name  # a sliding group's blocks are not the prompt's tokens
         self.counters.add(name, amount)
         self.totals.add(name, amount)

@@ -1,0 +1,225 @@
+"""A gated DeltaNet hybrid (Qwen3-Next) under kvkeep: its recurrent state kept at block
+boundaries, beside its attention KV, through a real vLLM restart.
+
+One cache server and one vLLM in mode kvkeep on the tiny Qwen3-Next (3 GDN layers, then 1
+full-attention layer; each its own KV cache group; vLLM's 'align' mamba cache mode, blocks of
+256 tokens), shared by the module. Its state reads its context (``A_log`` -6: a token 3,000
+positions back still changes the reply), so a wrong state shows.
+
+- vLLM keeps its hybrid manager on; kvkeep keeps one attention group and three state groups.
+- A swapped state (another prompt's, at the same boundary, valid checksum) changes the reply.
+- A corrupt or a missing state is a counted miss, and the reply is a cold one.
+- A turn that extends a stored prompt hits up to that prompt's last boundary, where kvkeep
+  kept the state, though its own blocks go further.
+- After a real vLLM restart a 4k-token prompt is served from kvkeep: every claimable token,
+  and the reply equals the cold one and vLLM's own align-mode prefix-cache hit.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvkeep.bench.criterion import same_as_cold, same_as_hit
+from kvkeep.bench.metrics import kvkeep_events
+from kvkeep.store.base import checksum
+
+from .conftest import kvkeep_deployment
+from .engine import (
+    Deployment,
+    Reference,
+    StoredNamespace,
+    complete,
+    decisive_reference,
+    drop,
+    reference,
+    reset_device_cache,
+    settled_tokens,
+)
+
+pytestmark = pytest.mark.e2e
+
+BLOCK = 256  # vLLM's hybrid block: one state page needs 256 tokens of the attention page
+STATE_GROUPS = 3
+STATE_OPS = ("state_loaded", "state_load_failed", "state_saved")
+
+
+def claimable(ids: list[int]) -> int:
+    """The blocks of a prompt kvkeep may serve: all but its last token's."""
+    return (len(ids) - 1) // BLOCK
+
+
+@dataclass
+class Rig(Deployment):
+    def groups(self) -> dict[str, StoredNamespace]:
+        """The engine's namespaces by kind and index (``g3/full``, ``g0/state``)."""
+        known = json.loads((self.cache.cfg.directory / "namespaces.json").read_text())
+        found = {}
+        for entry in known.values():
+            role, _, kind = entry["label"].partition("/")
+            if role in ("scheduler", "worker0") and kind:
+                digest = bytes.fromhex(entry["namespace"])
+                found[kind] = StoredNamespace(digest, int(entry["block_bytes"]), BLOCK)
+        return found
+
+    def full(self) -> StoredNamespace:
+        (ns,) = (ns for name, ns in self.groups().items() if name.endswith("/full"))
+        return ns
+
+    def states(self) -> list[StoredNamespace]:
+        return [ns for name, ns in sorted(self.groups().items()) if name.endswith("/state")]
+
+    def has_state(self, ns: StoredNamespace, ids: list[int], blocks: int) -> bool:
+        return self.stored_in(ns, ids, blocks - 1) >= 1 if blocks else False
+
+    def wait_stored(self, ids: list[int]) -> None:
+        """Until the attention group holds every claimable block of ``ids`` and each state
+        group the state at its last claimable boundary."""
+        limit = claimable(ids)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.stored_in(self.full(), ids) >= limit and all(
+                self.has_state(ns, ids, limit) for ns in self.states()
+            ):
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"not stored: attention {self.stored_in(self.full(), ids)}/{limit}")
+
+    def counters(self) -> dict[str, float]:
+        tokens = settled_tokens(self.url)
+        return {**tokens, **kvkeep_events(self.url, STATE_OPS)}
+
+    def replace_state(self, ids: list[int], donor: list[int], blocks: int) -> None:
+        """Store, in every state group, ``donor``'s state after ``blocks`` blocks as that of
+        ``ids``, with a valid checksum: a wrong state every integrity check passes."""
+        client = self.client()
+        try:
+            for ns in self.states():
+                slots = client.acquire(ns.session(), [ns.keys(donor)[blocks - 1]])
+                assert slots, "the donor's state is not stored"
+                try:
+                    data = client.slot_view(slots[0]).copy()
+                finally:
+                    client.release(slots)
+                key = ns.keys(ids)[blocks - 1]
+                assert drop(client, ns, [key]), "could not make room for the swapped state"
+                (slot,) = client.reserve(ns.session(), [key])
+                client.slot_view(slot)[:] = data
+                assert client.commit(ns.session(), [slot], [checksum(data.data)]) == 1
+        finally:
+            client.close()
+
+
+@pytest.fixture(scope="module")
+def rig(tiny_qwen3_next: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    logs = tmp_path_factory.mktemp("gdn-logs")
+    with kvkeep_deployment("kvkg", tiny_qwen3_next, logs, max_model_len=8192) as (cache, vllm):
+        yield Rig(cache, vllm, random.Random(2037))
+
+
+def served(rig: Rig, ids: list[int]) -> tuple[object, dict[str, float]]:
+    """``ids`` sent once vLLM's device cache is emptied, and how the counters moved."""
+    before = rig.counters()
+    reset_device_cache(rig.url)
+    reply = complete(rig.url, ids)
+    after = rig.counters()
+    return reply, {k: after.get(k, 0) - before.get(k, 0) for k in after}
+
+
+def test_vllm_keeps_its_hybrid_manager_and_kvkeep_keeps_the_state_groups(rig: Rig) -> None:
+    log = rig.vllm.log_path.read_text(errors="replace")
+    assert "Turning off hybrid kv cache manager" not in log
+    assert "Setting attention block size to 256 tokens" in log
+    assert len(rig.states()) == STATE_GROUPS and rig.full() is not None
+    sizes = {ns.block_bytes for ns in rig.states()}
+    assert len(sizes) == 1 and sizes.pop() < rig.full().block_bytes, "copies padding"
+
+
+def test_a_swapped_state_changes_the_reply(rig: Rig) -> None:
+    """Two stored prompts of one length: the planted one's state, in every state group, is
+    the other's (attention KV right, checksums valid). Its reply departs from its cold one
+    beyond drift, while an untouched control served the same way equals vLLM's own hit."""
+    planted, planted_ref = decisive_reference(rig.url, lambda: rig.prompt(2100), block=BLOCK)
+    donor, control = rig.prompt(2100), rig.prompt(2100)
+    control_ref = reference(rig.url, control, block=BLOCK)
+    for ids in (planted, donor, control):
+        complete(rig.url, ids)
+        rig.wait_stored(ids)
+    rig.replace_state(planted, donor, claimable(planted))
+    wrong, _ = served(rig, planted)
+    right, moved = served(rig, control)
+    assert moved["loaded"] >= claimable(control) * BLOCK, "the control was not served by kvkeep"
+    assert same_as_hit(right.reply, control_ref.hit), "the control's reply"
+    verdict = same_as_cold(wrong.reply, planted_ref.cold)
+    assert not verdict, "a swapped state left the reply as it was: the state is not read"
+
+
+@pytest.mark.parametrize("fault", ["corrupt", "missing"])
+def test_a_bad_state_is_a_counted_miss_and_the_reply_a_cold_one(rig: Rig, fault: str) -> None:
+    """A corrupt state fails its group's load, and vLLM recomputes the whole request; a
+    missing one leaves no boundary to claim (no other state was kept for this prompt), so
+    nothing loads. Either way the reply is the cold one."""
+    ids = rig.prompt(2100)
+    ref = reference(rig.url, ids, block=BLOCK)
+    complete(rig.url, ids)
+    rig.wait_stored(ids)
+    ns = rig.states()[1]
+    key = ns.keys(ids)[claimable(ids) - 1]
+    client = rig.client()
+    try:
+        if fault == "corrupt":
+            assert rig.corrupt(ns, ids, claimable(ids) - 1)
+        else:
+            assert drop(client, ns, [key])
+    finally:
+        client.close()
+    reply, moved = served(rig, ids)
+    verdict = same_as_cold(reply.reply, ref.cold)
+    assert verdict, f"the reply after a {fault} state: {verdict.why}"
+    if fault == "corrupt":
+        assert moved["state_load_failed"] >= 1, "the corrupt state was not refused"
+    else:
+        assert moved["loaded"] == 0 and moved["state_loaded"] == 0, "claimed without a state"
+
+
+def test_a_turn_that_extends_a_stored_prompt_hits_at_its_last_boundary(rig: Rig) -> None:
+    """An agent's next turn: the stored prompt plus 1,200 new tokens. kvkeep kept the state
+    at the first prompt's last claimable boundary, so the claim steps back there from the
+    new prompt's end (it has no state beyond), and the reply equals vLLM's own hit."""
+    first = rig.prompt(2100)
+    complete(rig.url, first)
+    rig.wait_stored(first)
+    turn = first + rig.prompt(1200)
+    ref = reference(rig.url, turn, block=BLOCK)
+    reply, moved = served(rig, turn)
+    assert moved["loaded"] == claimable(first) * BLOCK, moved
+    assert moved["state_loaded"] == STATE_GROUPS, moved
+    assert same_as_hit(reply.reply, ref.hit), "the extended turn's reply"
+    rig.wait_stored(turn)  # and its own last boundary is kept for the turn after
+
+
+def test_4k_tokens_are_served_from_kvkeep_after_a_vllm_restart(rig: Rig) -> None:
+    """The real restart (last in the module: it replaces the module's engine): every
+    claimable token of a 4k-token prompt comes from kvkeep, three states among them, and the
+    reply equals the cold one and vLLM's own align-mode hit (16 greedy tokens)."""
+    ids = rig.prompt(4000)
+    ref: Reference = reference(rig.url, ids, max_tokens=16, block=BLOCK)
+    complete(rig.url, ids)
+    rig.wait_stored(ids)
+    rig.vllm.stop()
+    rig.vllm.start()
+    before = rig.counters()
+    reply = complete(rig.url, ids, max_tokens=16)
+    after = rig.counters()
+    loaded = after["loaded"] - before["loaded"]
+    assert loaded >= 0.99 * claimable(ids) * BLOCK, f"{loaded} of {claimable(ids) * BLOCK}"
+    assert after["state_loaded"] - before["state_loaded"] == STATE_GROUPS
+    for rule, expected in ((same_as_cold, ref.cold), (same_as_hit, ref.hit)):
+        verdict = rule(reply.reply, expected)
+        assert verdict, f"after the restart ({rule.__name__}): {verdict.why}"
