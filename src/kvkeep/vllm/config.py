@@ -35,7 +35,7 @@ STATE_BOUNDARIES = {
 }
 """A linear-attention hybrid's snapshot is tens of MiB (Qwen3-Next-80B: 37.7 MiB in bf16,
 as much as 1,608 tokens of its attention KV), so saving one at every block boundary stores
-more state than KV; ``kvkeep plan --state-policy`` compares the two on a trace."""
+more state than KV."""
 
 
 @dataclass(frozen=True)
