@@ -18,47 +18,45 @@ from kvkeep.tinymodel.generate import (
 )
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model `make test` generated (KVKEEP_TINY_MODEL), or a fresh one."""
-    given = os.environ.get("KVKEEP_TINY_MODEL")
+def generated_or_fresh(
+    env: str, factory: pytest.TempPathFactory, name: str, spec: TinyModelSpec
+) -> Path:
+    """The tiny model `make test` generated (its directory in environment variable ``env``),
+    or a fresh one written under a temporary ``name`` directory from ``spec``."""
+    given = os.environ.get(env)
     if given and (Path(given) / "config.json").is_file() and (Path(given) / WEIGHTS_FILE).is_file():
         return Path(given)
-    return write_tiny_model(tmp_path_factory.mktemp("tiny-model"), TinyModelSpec())
+    return write_tiny_model(factory.mktemp(name), spec)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model (KVKEEP_TINY_MODEL)."""
+    return generated_or_fresh("KVKEEP_TINY_MODEL", tmp_path_factory, "tiny-model", TinyModelSpec())
 
 
 @pytest.fixture(scope="session")
 def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Gemma-3-style hybrid (5 sliding-window layers of 512 tokens, then 1 full)
-    `make test` generated (KVKEEP_TINY_GEMMA3), or a fresh one."""
-    given = os.environ.get("KVKEEP_TINY_GEMMA3")
-    if given and (Path(given) / "config.json").is_file() and (Path(given) / WEIGHTS_FILE).is_file():
-        return Path(given)
+    """The tiny Gemma-3-style hybrid (5 sliding-window layers of 512 tokens, then 1 full;
+    KVKEEP_TINY_GEMMA3)."""
     spec = TinyModelSpec(arch="gemma3", layers=HYBRID_LAYERS)
-    return write_tiny_model(tmp_path_factory.mktemp("tiny-gemma3"), spec)
+    return generated_or_fresh("KVKEEP_TINY_GEMMA3", tmp_path_factory, "tiny-gemma3", spec)
 
 
 @pytest.fixture(scope="session")
 def tiny_mla(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny DeepSeek-style MLA model in float32 (2 layers, a 512 + 64 latent) `make test`
-    generated (KVKEEP_TINY_MLA), or a fresh one."""
-    given = os.environ.get("KVKEEP_TINY_MLA")
-    if given and (Path(given) / "config.json").is_file() and (Path(given) / WEIGHTS_FILE).is_file():
-        return Path(given)
+    """The tiny DeepSeek-style MLA model in float32 (2 layers, a 512 + 64 latent;
+    KVKEEP_TINY_MLA)."""
     spec = TinyModelSpec(arch="deepseek", layers=MLA_LAYERS, dtype="float32")
-    return write_tiny_model(tmp_path_factory.mktemp("tiny-mla"), spec)
+    return generated_or_fresh("KVKEEP_TINY_MLA", tmp_path_factory, "tiny-mla", spec)
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_next(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Qwen3-Next-style hybrid (3 gated DeltaNet layers, then 1 full attention)
-    `make test` generated (KVKEEP_TINY_QWEN3_NEXT), or a fresh one."""
-    given = os.environ.get("KVKEEP_TINY_QWEN3_NEXT")
-    if given and (Path(given) / "config.json").is_file() and (Path(given) / WEIGHTS_FILE).is_file():
-        return Path(given)
-    return write_tiny_model(
-        tmp_path_factory.mktemp("tiny-qwen3-next"), TinyModelSpec(arch="qwen3-next")
-    )
+    """The tiny Qwen3-Next-style hybrid (3 gated DeltaNet layers, then 1 full attention;
+    KVKEEP_TINY_QWEN3_NEXT)."""
+    spec = TinyModelSpec(arch="qwen3-next")
+    return generated_or_fresh("KVKEEP_TINY_QWEN3_NEXT", tmp_path_factory, "tiny-qwen3-next", spec)
 
 
 @pytest.fixture
