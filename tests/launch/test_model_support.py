@@ -17,8 +17,10 @@ from kvkeep.host.cpu_pool import GENERATED_WEIGHTS
 from kvkeep.launch.model_support import (
     StateLayers,
     config_of,
+    cpu_failure,
+    cpu_refusal,
+    hybrid_refusal,
     latent_attention,
-    refusal,
     sparse_latent,
     sparse_refusal,
     state_layers,
@@ -132,13 +134,35 @@ def test_transformers_hybrid_configs_are_found() -> None:
         assert state_layers(cfg.to_dict()) is not None, type(cfg).__name__
 
 
-def test_the_refusal_names_the_model_type_and_what_to_do() -> None:
-    found = state_layers({"model_type": "nemotron_h", "hybrid_override_pattern": "M*M"})
+def test_a_hybrid_is_refused_only_where_no_boundary_state_can_exist() -> None:
+    """'align' (or the mode left to kvkeep serve) passes; mode 'none' and prefix caching off
+    are refused naming the model type, the reason and the command without kvkeep."""
+    found = state_layers({"model_type": "granitemoehybrid", "layer_types": ["mamba", "attention"]})
     assert found is not None
-    text = refusal(found, "/models/nano")
-    assert "/models/nano is a 'nemotron_h' model" in text
-    assert "2 Mamba layers" in text
-    assert "`python -m vllm.entrypoints.openai.api_server --model /models/nano`" in text
+    for ok in ({}, {"mamba_cache_mode": "align"}):
+        assert hybrid_refusal(found, "/m", ok) is None
+    for bad, why in (
+        ({"mamba_cache_mode": "none"}, "--mamba-cache-mode none keeps one running state"),
+        ({"prefix_caching": "off"}, "only with prefix caching on"),
+    ):
+        text = hybrid_refusal(found, "/m", bad)
+        assert text is not None and why in text
+        assert "/m is a 'granitemoehybrid' hybrid" in text
+        assert "`python -m vllm.entrypoints.openai.api_server --model /m`" in text
+
+
+def test_the_hybrids_vllm_cpu_fails_on_are_named_with_the_failure() -> None:
+    nemotron = state_layers({"model_type": "nemotron_h", "hybrid_override_pattern": "M*M"})
+    qwen35 = state_layers(
+        {"model_type": "qwen3_5", "text_config": {"layer_types": ["linear_attention"]}}
+    )
+    next_ = state_layers({"model_type": "qwen3_next", "linear_num_value_heads": 32})
+    assert nemotron is not None and qwen35 is not None and next_ is not None
+    assert cpu_failure(next_) is None
+    failure = cpu_failure(nemotron)
+    assert failure is not None and "IndexError in mamba_mixer2.conv_ssm_forward" in failure
+    assert "2 Mamba layers" in cpu_refusal(nemotron, failure, "/models/nano")
+    assert "torchvision" in (cpu_failure(qwen35) or "")
 
 
 def test_config_of_reads_a_local_model_only(tmp_path: Path) -> None:
@@ -189,7 +213,8 @@ def test_every_command_a_refusal_names_runs() -> None:
     its --help form: vLLM's OpenAI server as the vllm-cpu package starts it (its `vllm`
     console script does not), and `kvkeep model tiny`."""
     messages = [
-        refusal(StateLayers("nemotron_h", "hybrid_override_pattern"), "/m"),
+        hybrid_refusal(StateLayers("nemotron_h", "pattern"), "/m", {"mamba_cache_mode": "none"})
+        or "",
         sparse_refusal("config key 'index_topk'", "/m"),
     ]
     with pytest.raises(ValueError) as generated:

