@@ -7,7 +7,9 @@ tokens, so over a prefix of ``L`` tokens it costs ``min(L, window + block) / L``
 layer, and :meth:`KVFootprint.split` takes both the context length and the block size. Which
 layers slide is read the way each family writes it (``layer_types``,
 ``sliding_window_pattern``, ``use_sliding_window`` + ``max_window_layers``, ``sliding_window``
-alone; Gemma 2 alternates). Models with Mamba or linear-attention layers are refused
+alone; Gemma 2 alternates). A gated DeltaNet hybrid (Qwen3-Next, Qwen3.5) counts its
+full-attention layers per token and its recurrent state per snapshot (`kvkeep.plan.state`);
+other Mamba or linear-attention hybrids are refused, naming them
 (`kvkeep.launch.model_support`). Which family writes which: docs/notes/kv-footprint.md.
 """
 
@@ -18,8 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from kvkeep.launch.model_support import refusal, state_layers
-from kvkeep.plan.state import gdn_state
+from kvkeep.launch.model_support import state_layers
+from kvkeep.plan.state import GDNState, gdn_state
+from kvkeep.units import format_size
 
 DTYPE_BYTES = {
     "float32": 4,
@@ -50,6 +53,9 @@ class KVFootprint:
     # An MLA latent (DeepSeek-V2/V3, Kimi K2): the same on every tensor-parallel rank, so
     # kvkeep stores one copy of it however many ranks serve the model.
     latent: bool = False
+    # A gated DeltaNet hybrid: ``layers`` counts its full-attention layers only, and each
+    # kept boundary costs one snapshot of its state layers.
+    state: GDNState | None = None
 
     def __post_init__(self) -> None:
         if self.layers <= 0 or self.values_per_layer <= 0 or self.dtype_bytes <= 0:
@@ -91,18 +97,26 @@ class KVFootprint:
                 f" ({self.window_layers} sliding layers keep {self.window_tokens} tokens: "
                 f"{self.full_layers * self.layer_bytes_per_token} B/token beyond the window)"
             )
+        if self.state is not None:
+            text += (
+                f", plus {format_size(self.state.snapshot_bytes())} of "
+                f"recurrent state ({self.state.gdn_layers} gated DeltaNet layers) per kept "
+                "block boundary"
+            )
         return f"{text}; source: {self.source}"
 
 
 class TokenBytes(NamedTuple):
-    """Stored KV bytes per token of a prefix: full-attention and sliding-window layers."""
+    """Stored KV bytes per token of a prefix: full-attention and sliding-window layers, and a
+    hybrid's state snapshots spread over the tokens stored."""
 
     full: float
     sliding: float
+    state: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.full + self.sliding
+        return self.full + self.sliding + self.state
 
 
 def _hf(repo: str, **config: Any) -> tuple[dict[str, Any], str]:
@@ -288,20 +302,35 @@ def footprint_from_config(
 ) -> KVFootprint:
     """The footprint of a HF config dict (multimodal configs: their ``text_config``)."""
     found = state_layers(config)
-    if found is not None:
-        state = gdn_state(
-            config, _dtype_bytes(kv_dtype or _dtype(config.get("text_config") or config))
-        )
-        sizes = f"\n{state.describe(name)}." if state else ""
-        raise ValueError(refusal(found, name) + sizes)
     cfg = config.get("text_config") or config
+    dtype_bytes = _dtype_bytes(kv_dtype or _dtype(cfg) or _dtype(config))
+    state = gdn_state(config, dtype_bytes) if found is not None else None
+    if found is not None and state is None:
+        raise ValueError(
+            f"{name} is a {found.model_type!r} hybrid with recurrent-state layers "
+            f"({found.evidence}); kvkeep plan sizes the state of gated DeltaNet hybrids "
+            "(Qwen3-Next, Qwen3.5: 'linear_attention' layers and their linear_* sizes) and "
+            "cannot size this one's from its config (kvkeep serve still runs it, in vLLM's "
+            "'align' mamba cache mode)"
+        )
+    if state is not None:
+        return KVFootprint(
+            name=name,
+            layers=state.attention_layers,
+            values_per_layer=_values_per_layer(cfg, source),
+            dtype_bytes=dtype_bytes,
+            window_layers=0,
+            window_tokens=0,
+            source=source,
+            state=state,
+        )
     layers = _int(cfg, "num_hidden_layers", source)
     window, sliding = _sliding(cfg, layers, str(config.get("model_type") or ""))
     return KVFootprint(
         name=name,
         layers=layers,
         values_per_layer=_values_per_layer(cfg, source),
-        dtype_bytes=_dtype_bytes(kv_dtype or _dtype(cfg) or _dtype(config)),
+        dtype_bytes=dtype_bytes,
         window_layers=sliding,
         window_tokens=window,
         source=source,

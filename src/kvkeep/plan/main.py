@@ -22,6 +22,7 @@ from kvkeep.plan.cost import PrefillModel, Workload, calibrate, estimate, load_v
 from kvkeep.plan.footprint import KVFootprint, resolve_model
 from kvkeep.plan.report import Findings, plot, recommend, stored_bytes_per_token, to_json
 from kvkeep.plan.stackdist import stack_distances
+from kvkeep.plan.state_policy import compare as compare_state_policies
 from kvkeep.plan.tiers import TierSpec, tier_hits
 from kvkeep.plan.trace import BlockTrace, TraceError, read_trace
 from kvkeep.plan.workloads import TileSpec, session_trace, tile_trace
@@ -113,11 +114,23 @@ def _ints(text: str) -> list[int]:
     return values
 
 
-def load_trace(args: argparse.Namespace) -> BlockTrace:
-    """The workload the arguments name."""
+def hybrid_block(footprint: KVFootprint | None, granularity: int = 1) -> int | None:
+    """A hybrid's block (vLLM's in 'align' mode on CUDA, `GDNState.hybrid_block_tokens`),
+    rounded up to a multiple of the trace's ``granularity``; None for other models."""
+    if footprint is None or footprint.state is None:
+        return None
+    block = footprint.state.hybrid_block_tokens()
+    return granularity * -(-block // granularity)
+
+
+def load_trace(args: argparse.Namespace, footprint: KVFootprint | None = None) -> BlockTrace:
+    """The workload the arguments name; a hybrid's blocks are vLLM's for it unless
+    ``--block-tokens`` says otherwise (a hybrid's state exists only at its boundaries)."""
     if args.trace and is_claude_code(args.trace):
         arrival = Arrival(args.window, args.rate, args.seed)
-        block = args.block_tokens or TRACE_BLOCK_TOKENS
+        block = (
+            args.block_tokens or hybrid_block(footprint, TRACE_BLOCK_TOKENS) or TRACE_BLOCK_TOKENS
+        )
         return read_claude_code(args.trace, block, args.vllm_blocks, arrival)
     if args.trace:
         if args.window is not None or args.rate is not None:
@@ -127,7 +140,7 @@ def load_trace(args: argparse.Namespace) -> BlockTrace:
             )
         block = args.block_tokens or 512
         return read_trace(args.trace, block, args.vllm_blocks, args.mode)
-    block = args.block_tokens or 128
+    block = args.block_tokens or hybrid_block(footprint) or 128
     if args.session:
         spec = SessionSpec(turns=args.turns, scale=args.scale)
         return session_trace(spec, args.agents, block, args.tokenizer)
@@ -182,13 +195,14 @@ def prefill_model(args: argparse.Namespace) -> PrefillModel | None:
 
 def analyse(args: argparse.Namespace) -> Findings:
     """Read the workload, replay it once and evaluate every configuration."""
-    trace = load_trace(args)
-    sd = stack_distances(trace)
     footprint = resolve_model(args.model, args.kv_dtype) if args.model else None
-    per_token = stored_bytes_per_token(footprint, trace) if footprint else None
+    trace = load_trace(args, footprint)
+    sd = stack_distances(trace)
+    policies = compare_state_policies(trace) if footprint and footprint.state else ()
+    per_token = stored_bytes_per_token(footprint, trace, policies) if footprint else None
     tiers = tier_specs(args, per_token * trace.block_tokens if per_token else None)
     prefill = prefill_model(args)
-    estimates, verdicts = _costs(args, trace, sd, tiers, footprint, prefill)
+    estimates, verdicts = _costs(args, trace, sd, tiers, footprint, prefill, per_token)
     return Findings(
         trace,
         sd,
@@ -199,6 +213,7 @@ def analyse(args: argparse.Namespace) -> Findings:
         prefill,
         tuple(estimates),
         tuple(verdicts),
+        policies,
     )
 
 
@@ -209,12 +224,13 @@ def _costs(
     tiers: list[TierSpec],
     footprint: KVFootprint | None,
     prefill: PrefillModel | None,
+    stored_per_token: float | None = None,
 ) -> tuple[list[Any], list[Any]]:
     """Estimates for no cache, then each tier added in turn; load-vs-recompute per tier."""
     if prefill is None:
         return [], []
     context = trace.mean_prompt_tokens()
-    per_token = stored_bytes_per_token(footprint, trace) if footprint else 0.0
+    per_token = stored_per_token or 0.0
     workload = Workload(args.agents, args.tool_delay, args.decode_s_per_token)
     names = ["no cache", *("+".join(t.name for t in tiers[: i + 1]) for i in range(len(tiers)))]
     estimates = [

@@ -16,6 +16,7 @@ import numpy as np
 from kvkeep.plan.cost import Estimate, LoadVerdict, PrefillModel
 from kvkeep.plan.footprint import KVFootprint, TokenBytes
 from kvkeep.plan.stackdist import COLD, StackDistances
+from kvkeep.plan.state_policy import PolicyOutcome
 from kvkeep.plan.tiers import TierHits, TierSpec
 from kvkeep.plan.trace import BlockTrace
 from kvkeep.units import format_size
@@ -36,13 +37,16 @@ class Findings:
     prefill: PrefillModel | None
     estimates: tuple[Estimate, ...]
     verdicts: tuple[LoadVerdict, ...]
+    # A hybrid's state policies replayed over the trace, kvkeep's default first.
+    state_policies: tuple[PolicyOutcome, ...] = ()
 
     @property
     def block_bytes(self) -> float | None:
         """KV bytes of one block at the workload's mean prompt length (None: no model)."""
         if self.footprint is None:
             return None
-        return stored_bytes_per_token(self.footprint, self.trace) * self.trace.block_tokens
+        per_token = stored_bytes_per_token(self.footprint, self.trace, self.state_policies)
+        return per_token * self.trace.block_tokens
 
     def blocks_for(self, fraction_of_ceiling: float) -> int:
         """Smallest capacity whose hit rate reaches ``fraction_of_ceiling`` of the ceiling."""
@@ -59,13 +63,22 @@ class Findings:
         return f"{format_size(blocks * self.block_bytes)} ({blocks:,} blocks)"
 
 
-def stored_split(footprint: KVFootprint, trace: BlockTrace) -> TokenBytes:
-    """Stored KV bytes per token at the workload's mean prompt and block size, by layer kind."""
-    return footprint.split(trace.mean_prompt_tokens(), trace.block_tokens)
+def stored_split(
+    footprint: KVFootprint, trace: BlockTrace, policies: tuple[PolicyOutcome, ...] = ()
+) -> TokenBytes:
+    """Stored KV bytes per token at the workload's mean prompt and block size, by layer kind;
+    a hybrid's snapshots under kvkeep's policy (``policies[0]``) spread over its tokens."""
+    split = footprint.split(trace.mean_prompt_tokens(), trace.block_tokens)
+    if footprint.state is None or not policies:
+        return split
+    state = policies[0].state_bytes_per_token(footprint.state.snapshot_bytes())
+    return split._replace(state=state)
 
 
-def stored_bytes_per_token(footprint: KVFootprint, trace: BlockTrace) -> float:
-    return stored_split(footprint, trace).total
+def stored_bytes_per_token(
+    footprint: KVFootprint, trace: BlockTrace, policies: tuple[PolicyOutcome, ...] = ()
+) -> float:
+    return stored_split(footprint, trace, policies).total
 
 
 def to_json(f: Findings, lines: list[str], elapsed_s: float) -> dict[str, Any]:
@@ -93,6 +106,7 @@ def to_json(f: Findings, lines: list[str], elapsed_s: float) -> dict[str, Any]:
         "prefill": None if f.prefill is None else vars(f.prefill),
         "estimates": [e._asdict() for e in f.estimates],
         "load_vs_recompute": [v._asdict() for v in f.verdicts],
+        "state_policies": [_policy_json(f, p) for p in f.state_policies],
         "recommendation": lines,
         "elapsed_s": elapsed_s,
     }
@@ -101,15 +115,57 @@ def to_json(f: Findings, lines: list[str], elapsed_s: float) -> dict[str, Any]:
 def _footprint_json(f: Findings) -> dict[str, Any] | None:
     if f.footprint is None:
         return None
-    split = stored_split(f.footprint, f.trace)
+    split = stored_split(f.footprint, f.trace, f.state_policies)
+    state = f.footprint.state
     return {
         **vars(f.footprint),
+        "state": None
+        if state is None
+        else {**vars(state), "snapshot_bytes": state.snapshot_bytes()},
         "bytes_per_token": split.total,
         "full_bytes_per_token": split.full,
         "sliding_bytes_per_token": split.sliding,
+        "state_bytes_per_token": split.state,
         "block_bytes": f.block_bytes,
         "describe": f.footprint.describe(),
     }
+
+
+def _policy_json(f: Findings, p: PolicyOutcome) -> dict[str, Any]:
+    snapshot = f.footprint.state.snapshot_bytes() if f.footprint and f.footprint.state else 0
+    return {
+        **vars(p),
+        "hit_rate": p.hit_rate,
+        "attention_hit_rate": p.attention_hit_rate,
+        "state_bytes": p.state_bytes(snapshot),
+    }
+
+
+def state_policy_lines(f: Findings) -> list[str]:
+    """What each state policy keeps and serves over the workload, as a table."""
+    if f.footprint is None or f.footprint.state is None or not f.state_policies:
+        return []
+    snapshot = f.footprint.state.snapshot_bytes()
+    attention = f.state_policies[0].stored_blocks * f.trace.block_tokens
+    attention_bytes = attention * f.footprint.split().full
+    lines = [
+        f"recurrent state: one snapshot is {format_size(snapshot)}; the workload's attention KV "
+        f"is {format_size(attention_bytes)} ({attention:,} tokens in blocks of "
+        f"{f.trace.block_tokens}). Which boundaries to keep:",
+        "| boundaries kept | snapshots | state stored | prompt tokens served from cache |",
+        "|---|---:|---:|---:|",
+    ]
+    names = {"reused": "reused (kvkeep's default)", "every": "every boundary"}
+    for p in f.state_policies:
+        lines.append(
+            f"| {names.get(p.policy, p.policy)} | {p.snapshots:,} | "
+            f"{format_size(p.state_bytes(snapshot))} | {p.hit_rate:.1%} |"
+        )
+    lines.append(
+        f"(attention KV alone would serve {f.state_policies[0].attention_hit_rate:.1%}: a hit "
+        "also needs a state at its last boundary)"
+    )
+    return lines
 
 
 def recommend(f: Findings) -> list[str]:
@@ -121,6 +177,7 @@ def recommend(f: Findings) -> list[str]:
         f"{ceiling:.1%} (the ceiling), {ENOUGH:.0%} of it needs {f.size(f.blocks_for(ENOUGH))}"
     ]
     lines += _model_line(f)
+    lines += state_policy_lines(f)
     lines += [_tier_line(f, hits, ceiling) for hits in f.tier_hits]
     lines += _advice(f, ceiling)
     lines += _agents_line(f)
@@ -133,7 +190,7 @@ def _model_line(f: Findings) -> list[str]:
     """Stored bytes per token and, for a sliding-window model, what each layer kind adds."""
     if f.footprint is None:
         return []
-    fp, split = f.footprint, stored_split(f.footprint, f.trace)
+    fp, split = f.footprint, stored_split(f.footprint, f.trace, f.state_policies)
     text = (
         f"model {fp.name}: {format_size(split.total)}/token stored at the mean prompt of "
         f"{f.trace.mean_prompt_tokens():,.0f} tokens"
@@ -143,6 +200,13 @@ def _model_line(f: Findings) -> list[str]:
             f" (an MLA latent: {fp.layers} layers x {fp.values_per_layer} values x "
             f"{fp.dtype_bytes} B = {fp.layers * fp.layer_bytes_per_token:,} B/token, one copy "
             "for every tensor-parallel rank)"
+        )
+    if fp.state is not None:
+        text += (
+            f": {fp.layers} full-attention layers {format_size(split.full)}/token, and the "
+            f"{fp.state.gdn_layers} gated DeltaNet layers' state snapshots kvkeep keeps "
+            f"{format_size(split.state)}/token (one snapshot per kept boundary, in blocks of "
+            f"{f.trace.block_tokens} tokens)"
         )
     if fp.window_layers:
         every = fp.layers * fp.layer_bytes_per_token

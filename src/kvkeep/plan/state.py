@@ -32,6 +32,14 @@ class GDNState:
         ssm = self.dtype_bytes if ssm_dtype_bytes is None else ssm_dtype_bytes
         return self.gdn_layers * (self.conv_values * self.dtype_bytes + self.ssm_values * ssm)
 
+    def hybrid_block_tokens(self, ssm_dtype_bytes: int | None = None, alignment: int = 16) -> int:
+        """The block vLLM gives every group of this hybrid in 'align' mode: the fewest tokens,
+        a multiple of ``alignment`` (16 on CUDA's attention kernels), whose page in one
+        full-attention layer holds one GDN layer's state (``_align_hybrid_block_size``)."""
+        per_layer = self.attention_bytes_per_token // max(self.attention_layers, 1)
+        state = self.snapshot_bytes(ssm_dtype_bytes) // max(self.gdn_layers, 1)
+        return alignment * -(-state // (alignment * max(per_layer, 1)))
+
     def describe(self, name: str) -> str:
         """The arithmetic, in a few lines."""
         b16, f32 = self.snapshot_bytes(), self.snapshot_bytes(4)
