@@ -64,3 +64,24 @@ def test_every_table_plot_and_claim_reads_its_scenario_s_typed_result(tmp_path: 
         assert "-" not in [cell.strip() for cell in row.strip("|").split("|")[2:]], row
     assert "| S2 TTFT, 4,096-token prompt again | 1.35 s -> ~120 ms | 0.300 s | 0.300 s |" in md
     assert sum(p.suffix == ".png" for p in paths) == 8
+
+
+def test_the_ttft_table_holds_each_restart_against_vllm_alone_s() -> None:
+    """With ``--restart``: what each mode found cached after vLLM restarted, and how much
+    faster it answered than vLLM alone after its own restart; without it, no such column."""
+    from kvkeep.bench.scenarios.ttft import AfterRestart, ttft_table
+
+    def size(after_s: float, cached: int) -> SizeTTFT:
+        after = AfterRestart(after_s, cached, cached / 4096, 20.0)
+        return SizeTTFT(1.0, 0.1, [1.0], [0.1], 10.0, 0, 3840, 4096, after)
+
+    modes = {"vllm": size(1.0, 0), "kvkeep": size(0.125, 3840)}
+    doc = {
+        "scenario": "ttft",
+        "modes": {m: to_json(TTFTResult({"4096": s})) for m, s in modes.items()},
+    }
+    table = ttft_table(typed(doc, TTFTResult))
+    assert "| 4,096 | vllm | 1.000 s | 0.100 s | 10.0x | 1.000 s | 0 | - |" in table
+    assert "| 4,096 | kvkeep | 1.000 s | 0.100 s | 10.0x | 0.125 s | 3,840 | 8.0x |" in table
+    plain = to_json(TTFTResult({"4096": SizeTTFT(1.0, 0.1, [1.0], [0.1], 10.0, 0, 3840, 4096)}))
+    assert "after vLLM restart" not in ttft_table(typed({"modes": {"vllm": plain}}, TTFTResult))

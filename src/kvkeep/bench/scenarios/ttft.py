@@ -176,18 +176,40 @@ def _sizes(run: Run[TTFTResult]) -> list[int]:
 
 
 def ttft_table(run: Run[TTFTResult]) -> str:
-    """A row per prompt size and mode."""
-    rows = [
-        [f"{size:,}", m, secs(s and s.cold_s), secs(s and s.warm_s), times(s and s.speedup)]
-        for size in _sizes(run)
-        for m, r in run.modes.items()
-        for s in [r.sizes.get(str(size))]
-    ]
-    head = (
+    """A row per prompt size and mode; with ``--restart``, the prompt once more after vLLM
+    restarted (what it found cached, and how it compares with vLLM alone's restart)."""
+    restart = any(s.after for r in run.modes.values() for s in r.sizes.values())
+    head = ["prompt tokens", "mode", "cold", "warm", "cold / warm"]
+    head += ["after vLLM restart", "tokens cached after it", "vs vllm after it"] if restart else []
+    rows = []
+    for size in _sizes(run):
+        alone = run.modes.get("vllm")
+        base = alone.sizes.get(str(size)) if alone else None
+        for m, r in run.modes.items():
+            s = r.sizes.get(str(size))
+            row = [f"{size:,}", m, secs(s and s.cold_s), secs(s and s.warm_s)]
+            row.append(times(s and s.speedup))
+            if restart:
+                after = s.after if s else None
+                ratio = _ratio(base.after if base else None, after) if m != "vllm" else None
+                row += [
+                    secs(after and after.after_restart_s),
+                    f"{after.after_restart_cached_tokens:,}" if after else "-",
+                    times(ratio),
+                ]
+            rows.append(row)
+    title = (
         "### S2: time to first token, cold vs the same prompt again\n\n"
         "Study: 1.35 s cold, ~0.12 s with the prefix cache.\n\n"
     )
-    return head + markdown_table(["prompt tokens", "mode", "cold", "warm", "cold / warm"], rows)
+    return title + markdown_table(head, rows)
+
+
+def _ratio(alone: AfterRestart | None, mine: AfterRestart | None) -> float | None:
+    """How many times faster ``mine`` answered after its restart than vLLM alone after its."""
+    if alone is None or mine is None or mine.after_restart_s <= 0:
+        return None
+    return alone.after_restart_s / mine.after_restart_s
 
 
 def plot_ttft(run: Run[TTFTResult], out: Path) -> list[Path]:
