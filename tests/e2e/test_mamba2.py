@@ -1,6 +1,7 @@
 """A Mamba-2 hybrid (Granite 4.0-H style) through the same code as the gated DeltaNet one: in
-vLLM's 'align' mamba cache mode kvkeep keeps its state, and outside it the connector refuses
-the model at start-up, its reason the root cause in vLLM's log.
+vLLM's 'align' mamba cache mode kvkeep keeps its state. (Outside that mode `kvkeep serve`
+refuses it before start, tests/launch/test_serve.py, and the connector at start-up, before it
+connects, tests/vllm/test_compat_state.py.)
 
 The model: a tiny Granite-4.0-H-style hybrid (3 Mamba-2 layers, 1 attention layer), written by
 transformers with its weights re-seeded so that it reads its context
@@ -19,7 +20,6 @@ from pathlib import Path
 import pytest
 
 from kvkeep.bench.criterion import same_as_cold, same_as_hit
-from kvkeep.bench.deploy.vllm import LaunchConfig, LaunchError, VLLMServer, root_cause
 from kvkeep.tinymodel import hybrids
 
 from .conftest import kvkeep_deployment
@@ -36,31 +36,6 @@ STATE_GROUPS = 3
 def mamba_hybrid(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Path:
     """The tiny hybrid (`kvkeep.tinymodel.hybrids`) with the tiny model's tokenizer."""
     return hybrids.write("granite-4-h", tmp_path_factory.mktemp("tiny-granite-4-h"), tiny_model)
-
-
-def test_vllm_fails_with_kvkeeps_reason_as_root_cause(mamba_hybrid: Path, tmp_path: Path) -> None:
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
-
-    from kvkeep.vllm.connector import KVKeepConnector
-
-    if not supports_hma(KVKeepConnector):
-        pytest.skip("the connector does not declare SupportsHMA: vLLM never builds Mamba groups")
-    # No cache server: the refusal comes before the connector connects; were it missing,
-    # vLLM would start (kvkeep degrades to recomputing when its server is away).
-    cfg = LaunchConfig(
-        mamba_hybrid, mode="kvkeep", max_model_len=4096, log_dir=tmp_path,
-        cache_socket=str(tmp_path / "no-server.sock"), ready_timeout_s=240,
-        extra_args=("--no-enable-prefix-caching",),  # vLLM then runs mamba cache mode none
-    )  # fmt: skip
-    server = VLLMServer(cfg)
-    with pytest.raises(LaunchError, match="exited with code"):
-        server.start()
-    # vLLM's worker re-raises it as "RuntimeError: Worker failed with error '<kvkeep's>'"
-    cause = root_cause(server.log_path) or ""
-    assert "'granitemoehybrid' model has 3 Mamba or linear-attention layers" in cause, cause
-    assert "in 3 of 4 KV cache groups" in cause
-    assert "mamba cache mode 'none'" in cause and "--mamba-cache-mode align" in cause
-    assert "run without the kvkeep connector" in cause
 
 
 @pytest.fixture(scope="module")
