@@ -33,6 +33,7 @@ from kvkeep.store.base import checksum
 from .conftest import kvkeep_deployment
 from .engine import (
     Deployment,
+    Judged,
     Reference,
     StoredNamespace,
     complete,
@@ -127,13 +128,43 @@ def rig(tiny_qwen3_next: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         yield Rig(cache, vllm, random.Random(2037))
 
 
-def served(rig: Rig, ids: list[int]) -> tuple[object, dict[str, float]]:
+def served(rig: Rig, ids: list[int]) -> tuple[Judged, dict[str, float]]:
     """``ids`` sent once vLLM's device cache is emptied, and how the counters moved."""
     before = rig.counters()
     reset_device_cache(rig.url)
     reply = complete(rig.url, ids)
     after = rig.counters()
     return reply, {k: after.get(k, 0) - before.get(k, 0) for k in after}
+
+
+@dataclass
+class Swap:
+    """A planted prompt served with another prompt's state, and an untouched control."""
+
+    planted: Reference
+    wrong: Judged  # the planted prompt served from kvkeep with the swapped state
+    control: Reference
+    right: Judged  # the control served from kvkeep
+    moved: dict[str, float]  # the counters over the control's request
+    claimable_tokens: int  # the control's
+
+
+def swap_states(rig: Rig, tokens: int) -> Swap:
+    """Three stored prompts of ``tokens`` tokens: the planted one (its cold reply without a
+    near tie, so a wrong state can be told from drift) gets the donor's state after its last
+    claimable block, in every state group, with a valid checksum; then, once the device cache
+    is emptied each time, the planted prompt and an untouched control are served."""
+    planted, planted_ref = decisive_reference(rig.url, lambda: rig.prompt(tokens), block=rig.block)
+    donor, control = rig.prompt(tokens), rig.prompt(tokens)
+    control_ref = reference(rig.url, control, block=rig.block)
+    for ids in (planted, donor, control):
+        complete(rig.url, ids)
+        rig.wait_stored(ids)
+    rig.replace_state(planted, donor, claimable(planted, rig.block))
+    wrong, _ = served(rig, planted)
+    right, moved = served(rig, control)
+    limit = claimable(control, rig.block) * rig.block
+    return Swap(planted_ref, wrong, control_ref, right, moved, limit)
 
 
 def test_vllm_keeps_its_hybrid_manager_and_kvkeep_keeps_the_state_groups(rig: Rig) -> None:
@@ -149,18 +180,10 @@ def test_a_swapped_state_changes_the_reply(rig: Rig) -> None:
     """Two stored prompts of one length: the planted one's state, in every state group, is
     the other's (attention KV right, checksums valid). Its reply departs from its cold one
     beyond drift, while an untouched control served the same way equals vLLM's own hit."""
-    planted, planted_ref = decisive_reference(rig.url, lambda: rig.prompt(2100), block=BLOCK)
-    donor, control = rig.prompt(2100), rig.prompt(2100)
-    control_ref = reference(rig.url, control, block=BLOCK)
-    for ids in (planted, donor, control):
-        complete(rig.url, ids)
-        rig.wait_stored(ids)
-    rig.replace_state(planted, donor, claimable(planted))
-    wrong, _ = served(rig, planted)
-    right, moved = served(rig, control)
-    assert moved["loaded"] >= claimable(control) * BLOCK, "the control was not served by kvkeep"
-    assert same_as_hit(right.reply, control_ref.hit), "the control's reply"
-    verdict = same_as_cold(wrong.reply, planted_ref.cold)
+    swap = swap_states(rig, 2100)
+    assert swap.moved["loaded"] >= swap.claimable_tokens, "the control was not served by kvkeep"
+    assert same_as_hit(swap.right.reply, swap.control.hit), "the control's reply"
+    verdict = same_as_cold(swap.wrong.reply, swap.planted.cold)
     assert not verdict, "a swapped state left the reply as it was: the state is not read"
 
 

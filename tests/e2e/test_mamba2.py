@@ -23,8 +23,7 @@ from kvkeep.bench.criterion import same_as_cold, same_as_hit
 from kvkeep.tinymodel import hybrids
 
 from .conftest import kvkeep_deployment
-from .engine import complete, decisive_reference, reference
-from .test_gdn import Rig, claimable, served
+from .test_gdn import Rig, swap_states
 
 pytestmark = pytest.mark.e2e
 
@@ -52,18 +51,10 @@ def test_a_mamba2_state_is_kept_and_a_swapped_one_changes_the_reply(rig: Rig) ->
     length of prompt with another prompt's state (valid checksum) answers otherwise."""
     assert "Setting attention block size to 640 tokens" in rig.vllm.log_path.read_text()
     assert len(rig.states()) == STATE_GROUPS
-    planted, planted_ref = decisive_reference(rig.url, lambda: rig.prompt(2000), block=BLOCK)
-    donor, control = rig.prompt(2000), rig.prompt(2000)
-    control_ref = reference(rig.url, control, block=BLOCK)
-    for ids in (planted, donor, control):
-        complete(rig.url, ids)
-        rig.wait_stored(ids)
-    rig.replace_state(planted, donor, claimable(planted, BLOCK))
-    wrong, _ = served(rig, planted)
-    right, moved = served(rig, control)
-    assert moved["loaded"] == claimable(control, BLOCK) * BLOCK, (moved, rig.vllm.log_path)
-    assert moved["state_loaded"] == STATE_GROUPS, moved
-    assert same_as_hit(right.reply, control_ref.hit), "the control's reply"
-    assert same_as_cold(right.reply, control_ref.cold), "the control's reply"
-    verdict = same_as_cold(wrong.reply, planted_ref.cold)
+    swap = swap_states(rig, 2000)
+    assert swap.moved["loaded"] == swap.claimable_tokens, (swap.moved, rig.vllm.log_path)
+    assert swap.moved["state_loaded"] == STATE_GROUPS, swap.moved
+    assert same_as_hit(swap.right.reply, swap.control.hit), "the control's reply"
+    assert same_as_cold(swap.right.reply, swap.control.cold), "the control's reply"
+    verdict = same_as_cold(swap.wrong.reply, swap.planted.cold)
     assert not verdict, "a swapped Mamba-2 state left the reply as it was: the state is not read"
