@@ -1,8 +1,11 @@
-"""Shared fixtures: the tiny model every test that needs one uses."""
+"""Shared fixtures: the tiny model every test that needs one uses; and, at the end of the run,
+each module's wall time (setup, call and teardown of its tests, module fixtures included), so
+that what makes `make test` long is read off the run itself."""
 
 from __future__ import annotations
 
 import os
+from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -69,3 +72,21 @@ def redis_server(tmp_path: Path) -> Iterator[RedisProcess]:
     server.start()
     yield server
     server.stop()
+
+
+_MODULE_SECONDS: defaultdict[str, float] = defaultdict(float)
+SLOWEST_MODULES = 15
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _MODULE_SECONDS[report.nodeid.split("::")[0]] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not _MODULE_SECONDS:
+        return
+    total = sum(_MODULE_SECONDS.values())
+    terminalreporter.section(f"slowest {SLOWEST_MODULES} modules (of {total:.0f} s in tests)")
+    ranked = sorted(_MODULE_SECONDS.items(), key=lambda kv: -kv[1])
+    for module, seconds in ranked[:SLOWEST_MODULES]:
+        terminalreporter.write_line(f"{seconds:8.1f}s  {module}")

