@@ -8,7 +8,10 @@ positions back still changes the reply), so a wrong state shows.
 
 - vLLM keeps its hybrid manager on; kvkeep keeps one attention group and three state groups.
 - A swapped state (another prompt's, at the same boundary, valid checksum) changes the reply.
-- A corrupt or a missing state is a counted miss, and the reply is a cold one.
+- A corrupt or a missing state is a counted miss, and the reply is a cold one; so is a state
+  whose disk segment was cut short while the cache server was down.
+- A cache-server SIGKILL in the middle of a session costs no request, and once a new server
+  is up the connector serves states from it again.
 - A turn that extends a stored prompt hits up to that prompt's last boundary, where kvkeep
   kept the state, though its own blocks go further.
 - After a real vLLM restart a 4k-token prompt is served from kvkeep: every claimable token,
@@ -18,16 +21,19 @@ positions back still changes the reply), so a wrong state shows.
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 
 from kvkeep.bench.criterion import same_as_cold, same_as_hit
 from kvkeep.bench.metrics import kvkeep_events
+from kvkeep.launch.cache_server import CacheServerProcess
 from kvkeep.store.base import checksum
 
 from .conftest import kvkeep_deployment
@@ -100,6 +106,20 @@ class Rig(Deployment):
         tokens = settled_tokens(self.url)
         return {**tokens, **kvkeep_events(self.url, STATE_OPS)}
 
+    def wait_connected(self) -> None:
+        """Until the connector saves to and loads from the cache server again: a client
+        backs off up to 5 s after a failure and finds a new server on a request after that."""
+        deadline = time.monotonic() + 40
+        while time.monotonic() < deadline:
+            ids = self.prompt(600)
+            complete(self.url, ids, max_tokens=1)
+            time.sleep(0.5)  # its saves commit
+            _, moved = served(self, ids)
+            if moved["loaded"] == claimable(ids, self.block) * self.block:
+                return
+            time.sleep(1.0)
+        raise AssertionError("the connector did not reconnect to the cache server")
+
     def replace_state(self, ids: list[int], donor: list[int], blocks: int) -> None:
         """Store, in every state group, ``donor``'s state after ``blocks`` blocks as that of
         ``ids``, with a valid checksum: a wrong state every integrity check passes."""
@@ -125,7 +145,11 @@ class Rig(Deployment):
 def rig(tiny_qwen3_next: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     logs = tmp_path_factory.mktemp("gdn-logs")
     with kvkeep_deployment("kvkg", tiny_qwen3_next, logs, max_model_len=8192) as (cache, vllm):
-        yield Rig(cache, vllm, random.Random(2037))
+        rig = Rig(cache, vllm, random.Random(2037))
+        try:
+            yield rig
+        finally:
+            rig.cache.stop()  # the disk-tier server the truncation test put in its place
 
 
 def served(rig: Rig, ids: list[int]) -> tuple[Judged, dict[str, float]]:
@@ -229,6 +253,58 @@ def test_a_turn_that_extends_a_stored_prompt_hits_at_its_last_boundary(rig: Rig)
     assert moved["state_loaded"] == STATE_GROUPS, moved
     assert same_as_hit(reply.reply, ref.hit), "the extended turn's reply"
     rig.wait_stored(turn)  # and its own last boundary is kept for the turn after
+
+
+def test_a_cache_server_sigkill_mid_session_costs_no_request(rig: Rig) -> None:
+    """An agent's session grows 300 tokens a turn; the cache server is SIGKILLed after the
+    third turn and a new one (empty: RAM only) started after the fifth. Every turn is
+    answered, and once the connector is back the session's next turn is served from kvkeep,
+    states included, with vLLM's own hit's reply."""
+    context: list[int] = []
+    for turn in range(8):
+        context += rig.prompt(300)
+        if turn == 3:
+            assert rig.cache.proc is not None
+            os.kill(rig.cache.proc.pid, signal.SIGKILL)
+            rig.cache.proc.wait(timeout=10)
+        if turn == 6:
+            rig.cache.ensure()
+        assert len(complete(rig.url, context, max_tokens=4).reply.token_ids) == 4
+    rig.wait_connected()
+    context += rig.prompt(300)
+    complete(rig.url, context)
+    rig.wait_stored(context)
+    ref = reference(rig.url, context, block=BLOCK)
+    reply, moved = served(rig, context)
+    assert moved["loaded"] == claimable(context) * BLOCK, moved
+    assert moved["state_loaded"] == STATE_GROUPS, moved
+    assert same_as_hit(reply.reply, ref.hit), "the turn after the SIGKILL"
+
+
+def test_a_state_cut_short_on_disk_is_a_miss_and_the_reply_a_cold_one(rig: Rig) -> None:
+    """The cache server is replaced by one with a disk tier on the same socket. A prompt's
+    attention blocks and states are written through to disk, and the newest segment loses
+    its second half while the server is down (a crash mid-write, a full disk). Restarted, the
+    server no longer holds the state at the prompt's last boundary or a block before it, so
+    the claim finds no boundary with everything it needs: nothing loads and the reply is the
+    cold one."""
+    rig.cache.stop()
+    rig.cache = CacheServerProcess(replace(rig.cache.cfg, disk="256MiB")).ensure()
+    rig.wait_connected()
+    ids = rig.prompt(2100)
+    ref = reference(rig.url, ids, block=BLOCK)
+    complete(rig.url, ids)
+    rig.wait_stored(ids)
+    rig.cache.stop()  # SIGTERM: writes through to disk and seals the segments
+    newest = sorted((rig.directory / "disk").glob("seg-*.log"))[-1]
+    with open(newest, "r+b") as f:
+        f.truncate(newest.stat().st_size // 2)
+    rig.cache.ensure()
+    rig.wait_connected()
+    reply, moved = served(rig, ids)
+    assert moved["loaded"] < claimable(ids) * BLOCK, f"a cut block or state was served: {moved}"
+    verdict = same_as_cold(reply.reply, ref.cold)
+    assert verdict, f"the reply after a cut segment: {verdict.why}"
 
 
 def test_4k_tokens_are_served_from_kvkeep_after_a_vllm_restart(rig: Rig) -> None:
