@@ -8,8 +8,8 @@ positions back still changes the reply), so a wrong state shows.
 
 - vLLM keeps its hybrid manager on; kvkeep keeps one attention group and three state groups.
 - A swapped state (another prompt's, at the same boundary, valid checksum) changes the reply.
-- A corrupt or a missing state is a counted miss, and the reply is a cold one; so is a state
-  whose disk segment was cut short while the cache server was down.
+- A corrupt or a missing state or attention block is a counted miss, and the reply is a cold
+  one; so is a prompt whose disk segment was cut short while the cache server was down.
 - A cache-server SIGKILL in the middle of a session costs no request, and once a new server
   is up the connector serves states from it again.
 - A turn that extends a stored prompt hits up to that prompt's last boundary, where kvkeep
@@ -211,32 +211,39 @@ def test_a_swapped_state_changes_the_reply(rig: Rig) -> None:
     assert not verdict, "a swapped state left the reply as it was: the state is not read"
 
 
-@pytest.mark.parametrize("fault", ["corrupt", "missing"])
-def test_a_bad_state_is_a_counted_miss_and_the_reply_a_cold_one(rig: Rig, fault: str) -> None:
-    """A corrupt state fails its group's load, and vLLM recomputes the whole request; a
-    missing one leaves no boundary to claim (no other state was kept for this prompt), so
-    nothing loads. Either way the reply is the cold one."""
+@pytest.mark.parametrize(
+    ("part", "fault"),
+    [("state", "corrupt"), ("state", "missing"), ("block", "corrupt"), ("block", "missing")],
+)
+def test_a_bad_state_or_block_is_a_counted_miss_and_the_reply_a_cold_one(
+    rig: Rig, part: str, fault: str
+) -> None:
+    """A corrupt state, or a corrupt attention block half-way along the prompt, fails the
+    load, and vLLM recomputes the whole request: its states hold no earlier position to
+    resume from. A missing state leaves no boundary to claim (no other state was kept for
+    this prompt), and so does a missing block: the claim would stop before it, where no state
+    was kept. Nothing loads then. Either way the reply is the cold one."""
     ids = rig.prompt(2100)
     ref = reference(rig.url, ids, block=BLOCK)
     complete(rig.url, ids)
     rig.wait_stored(ids)
-    ns = rig.states()[1]
-    key = ns.keys(ids)[claimable(ids) - 1]
+    ns, index = (rig.states()[1], claimable(ids) - 1) if part == "state" else (rig.full(), 3)
     client = rig.client()
     try:
         if fault == "corrupt":
-            assert rig.corrupt(ns, ids, claimable(ids) - 1)
+            assert rig.corrupt(ns, ids, index)
         else:
-            assert drop(client, ns, [key])
+            assert drop(client, ns, [ns.keys(ids)[index]])
     finally:
         client.close()
     reply, moved = served(rig, ids)
     verdict = same_as_cold(reply.reply, ref.cold)
-    assert verdict, f"the reply after a {fault} state: {verdict.why}"
+    assert verdict, f"the reply after a {fault} {part}: {verdict.why}"
     if fault == "corrupt":
-        assert moved["state_load_failed"] >= 1, "the corrupt state was not refused"
+        failed = moved["state_load_failed"] if part == "state" else moved["load_failed"]
+        assert failed >= 1, f"the corrupt {part} was not refused: {moved}"
     else:
-        assert moved["loaded"] == 0 and moved["state_loaded"] == 0, "claimed without a state"
+        assert moved["loaded"] == 0 and moved["state_loaded"] == 0, f"claimed: {moved}"
 
 
 def test_a_turn_that_extends_a_stored_prompt_hits_at_its_last_boundary(rig: Rig) -> None:
