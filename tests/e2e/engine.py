@@ -8,8 +8,10 @@ own prefix-cache hit on the same KV (``Reference.hit``), and a cold run up to nu
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
+import signal
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -97,6 +99,44 @@ class Deployment:
             return client.lookup(ns.session(), ns.keys(ids)[first:]).num_present
         finally:
             client.close()
+
+    # the fresh prompt `wait_connected` sends to see loads work: at least one full block
+    PROBE_TOKENS: ClassVar[int] = 600
+
+    def loads_in_full(self, ids: list[int]) -> bool:
+        """Whether ``ids``, stored a moment ago, now loads every claimable block from kvkeep
+        (each module's `Rig` says how it counts)."""
+        raise NotImplementedError
+
+    def wait_connected(self) -> None:
+        """Until the connector saves to and loads from the cache server again: a client backs
+        off up to 5 s after a failure and finds a new server on a request after that."""
+        deadline = time.monotonic() + 40
+        while time.monotonic() < deadline:
+            ids = self.prompt(self.PROBE_TOKENS)
+            complete(self.url, ids, max_tokens=1)
+            time.sleep(0.5)  # its saves commit
+            if self.loads_in_full(ids):
+                return
+            time.sleep(1.0)
+        raise AssertionError("the connector did not reconnect to the cache server")
+
+    def session_through_a_server_sigkill(self, turns: int = 8, tokens: int = 300) -> list[int]:
+        """An agent's session growing ``tokens`` a turn, the cache server SIGKILLed after
+        the third turn and a new one started after the fifth; every turn must be answered.
+        Returns the session's context, once the connector is back (`wait_connected`)."""
+        context: list[int] = []
+        for turn in range(turns):
+            context += self.prompt(tokens)
+            if turn == 3:
+                assert self.cache.proc is not None
+                os.kill(self.cache.proc.pid, signal.SIGKILL)
+                self.cache.proc.wait(timeout=10)
+            if turn == 6:
+                self.cache.ensure()
+            assert len(complete(self.url, context, max_tokens=4).reply.token_ids) == 4
+        self.wait_connected()
+        return context
 
     def corrupt(self, ns: StoredNamespace, ids: list[int], index: int) -> bool:
         """Flip a byte of the stored block ``index`` of prompt ``ids`` (`corrupt_block`)."""

@@ -21,9 +21,7 @@ positions back still changes the reply), so a wrong state shows.
 from __future__ import annotations
 
 import json
-import os
 import random
-import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -106,19 +104,9 @@ class Rig(Deployment):
         tokens = settled_tokens(self.url)
         return {**tokens, **kvkeep_events(self.url, STATE_OPS)}
 
-    def wait_connected(self) -> None:
-        """Until the connector saves to and loads from the cache server again: a client
-        backs off up to 5 s after a failure and finds a new server on a request after that."""
-        deadline = time.monotonic() + 40
-        while time.monotonic() < deadline:
-            ids = self.prompt(600)
-            complete(self.url, ids, max_tokens=1)
-            time.sleep(0.5)  # its saves commit
-            _, moved = served(self, ids)
-            if moved["loaded"] == claimable(ids, self.block) * self.block:
-                return
-            time.sleep(1.0)
-        raise AssertionError("the connector did not reconnect to the cache server")
+    def loads_in_full(self, ids: list[int]) -> bool:
+        _, moved = served(self, ids)
+        return moved["loaded"] == claimable(ids, self.block) * self.block
 
     def replace_state(self, ids: list[int], donor: list[int], blocks: int) -> None:
         """Store, in every state group, ``donor``'s state after ``blocks`` blocks as that of
@@ -267,17 +255,7 @@ def test_a_cache_server_sigkill_mid_session_costs_no_request(rig: Rig) -> None:
     third turn and a new one (empty: RAM only) started after the fifth. Every turn is
     answered, and once the connector is back the session's next turn is served from kvkeep,
     states included, with vLLM's own hit's reply."""
-    context: list[int] = []
-    for turn in range(8):
-        context += rig.prompt(300)
-        if turn == 3:
-            assert rig.cache.proc is not None
-            os.kill(rig.cache.proc.pid, signal.SIGKILL)
-            rig.cache.proc.wait(timeout=10)
-        if turn == 6:
-            rig.cache.ensure()
-        assert len(complete(rig.url, context, max_tokens=4).reply.token_ids) == 4
-    rig.wait_connected()
+    context = rig.session_through_a_server_sigkill()
     context += rig.prompt(300)
     complete(rig.url, context)
     rig.wait_stored(context)

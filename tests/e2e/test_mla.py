@@ -26,9 +26,7 @@ dropping block k, and serves the prompt.
 from __future__ import annotations
 
 import math
-import os
 import random
-import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -106,20 +104,12 @@ class Rig(Deployment):
             time.sleep(0.2)
         assert self.stored(ids) >= blocks, f"{self.stored(ids)} of {blocks} blocks stored"
 
-    def wait_connected(self) -> None:
-        """Until every rank's connector loads from the cache server again (a client backs
-        off up to 5 s after a failure and finds a new server on a request after that; only
-        rank 0 saves, so a save says nothing of rank 1)."""
-        deadline = time.monotonic() + 40
-        while time.monotonic() < deadline:
-            ids = self.prompt(100)
-            complete(self.url, ids, max_tokens=1)
-            time.sleep(0.5)  # its saves commit
-            _, counted = self.served(ids, max_tokens=1)
-            if counted["loaded"] == self.claimable(ids) and not counted["load_failed"]:
-                return
-            time.sleep(1.0)
-        raise AssertionError("the connectors did not reconnect to the cache server")
+    PROBE_TOKENS = 100
+
+    def loads_in_full(self, ids: list[int]) -> bool:
+        """Every rank loads again (only rank 0 saves, so a save says nothing of rank 1)."""
+        _, counted = self.served(ids, max_tokens=1)
+        return counted["loaded"] == self.claimable(ids) and not counted["load_failed"]
 
     def served(self, ids: list[int], max_tokens: int = 8) -> tuple[Reply, dict[str, float]]:
         """``ids`` sent again (no salt), and what the connector counted for it, per rank:
@@ -248,17 +238,7 @@ def test_a_cache_server_sigkill_mid_session_costs_no_request(rig: Rig) -> None:
     """An agent's session grows turn by turn; the cache server is SIGKILLed after the third
     turn and started again after the fifth: every turn is answered, and the last one is the
     reply of its split with no fault."""
-    context: list[int] = []
-    for turn in range(8):
-        context += rig.prompt(300)
-        if turn == 3:
-            assert rig.cache.proc is not None
-            os.kill(rig.cache.proc.pid, signal.SIGKILL)
-            rig.cache.proc.wait(timeout=10)
-        if turn == 6:
-            rig.cache.ensure()
-        assert len(complete(rig.url, context, max_tokens=4).reply.token_ids) == 4
-    rig.wait_connected()
+    context = rig.session_through_a_server_sigkill()
     last = complete(rig.url, context)
     rig.wait_stored(context)
     verdict = same_as_hit(last.reply, rig.split_reply(context, last.cached_tokens // MLA_BLOCK))
