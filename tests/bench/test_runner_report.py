@@ -160,13 +160,37 @@ def test_agents_whose_baselines_sampled_turns_are_compared_on_those_turns() -> N
     def mode(every: float, sampled: float) -> dict:
         summary = replace(example.summary, turns_per_min=every)
         units = replace(example.summary, turns_per_min=sampled, late_turn_wait_s=0.5)
-        return to_json(replace(example, summary=summary, stride=3, sampled=units))
+        sample = [0, 3, 6, 10, 13, 16, 20, 22, 24, 29]
+        return to_json(replace(example, summary=summary, stride=3, sampled=units, sample=sample))
 
     doc = {"scenario": "agents", "modes": {"none": mode(30.0, 30.0), "kvkeep": mode(90.0, 80.0)}}
     md = report.markdown(doc)
-    assert "ran one turn in 3 of each session (10 of 30: 1, 4, ..., 28)" in md
+    assert "ran one turn in 3 of each session (10 of 30: turns 0, 3, 6, 10, 13, 16, 20, 22" in md
+    # a results.json from before the balanced sample (no "sample") ran the grid
+    for m in doc["modes"].values():
+        del m["sample"]
+    assert "(10 of 30: turns 1, 4, 7, 10, 13, 16, 19, 22, 25, 28;" in report.markdown(doc)
     assert "kvkeep over all its turns: 90.0 turns/min" in md
     assert "| none | 30.0 | 1.000 s | 0.500 s |" in md and "| kvkeep | 80.0 |" in md
+
+
+def test_the_report_says_where_the_time_went_per_scenario_and_mode() -> None:
+    example = EXAMPLES["agents"]
+    doc = {
+        "scenarios": {"agents": {"scenario": "agents", "modes": {"kvkeep": to_json(example)}}},
+        "wall_s": 200.0,
+        "timings": {
+            "session": {"starts_s": 31.4, "wall_s": 60.2, "modes": {"none": 21.0, "kvkeep": 8.2}},
+            "agents": {"starts_s": 0.0, "wall_s": 80.6, "modes": {"none": 44.4, "kvkeep": 21.9}},
+            "hol@vllm-defaults": {"starts_s": 20.0, "wall_s": 9.0, "modes": {"vllm": 8.5}},
+        },
+    }
+    md = report.markdown(doc)
+    assert "This run took 3 min 20 s (set-up excluded)." in md
+    assert "| scenario | engine starts | none | kvkeep | vllm | scenario wall |" in md
+    assert "| agents | 0 | 44 | 22 | - | 81 |" in md
+    assert "| hol@vllm-defaults | 20 | - | - | 8 | 9 |" in md
+    assert "| all | 51 | 65 | 30 | 8 | 150 |" in md
 
 
 def test_sse_lines_split_only_at_line_ends() -> None:

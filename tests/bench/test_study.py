@@ -10,13 +10,15 @@ import pytest
 from bench_examples import EXAMPLES
 
 from kvkeep.bench import report
-from kvkeep.bench.http import TurnResult, sampled_turns, summarize_agents, summarize_sample
+from kvkeep.bench.http import TurnResult, summarize_agents, summarize_sample
 from kvkeep.bench.metrics import Counters, HitRates, cacheable_tokens, hit_split, mean_rates
 from kvkeep.bench.prompts import Queried
 from kvkeep.bench.result import to_json
+from kvkeep.bench.sampling import balanced_turns, grid_turns, sample_error, turn_work
 from kvkeep.bench.scenarios.capacity import CapacitySpec
 from kvkeep.bench.scenarios.restart import Requeried, summarize
 from kvkeep.tinymodel.generate import TinyModelSpec, llama_config
+from kvkeep.traffic.workload import CharEstimate, SessionSpec, generate_sessions
 
 
 def test_cacheable_tokens_never_include_the_last_token() -> None:
@@ -96,8 +98,8 @@ def test_agents_summary_turns_per_minute_and_late_wait() -> None:
 
 
 def test_a_sample_of_turns_is_summarized_alike_whether_a_mode_ran_it_alone_or_every_turn() -> None:
-    assert sampled_turns(30, 3) == list(range(1, 30, 3)) and sampled_turns(4, 1) == [0, 1, 2, 3]
-    sample = sampled_turns(30, 3)
+    assert grid_turns(30, 3) == list(range(1, 30, 3)) and grid_turns(4, 1) == [0, 1, 2, 3]
+    sample = grid_turns(30, 3)
 
     def rows(turns: list[int], latency: float) -> list[TurnResult]:
         return [TurnResult(a, t, 100, 0, 100, 4, 0.1, latency * (t + 1), 0.0)
@@ -111,6 +113,38 @@ def test_a_sample_of_turns_is_summarized_alike_whether_a_mode_ran_it_alone_or_ev
     assert every.late_turn_wait_s == pytest.approx((2.6 + 2.9) / 2)  # LATE_TURNS 5 at stride 3
     slower = summarize_sample(rows(sample, 0.2), sample, 0.2, 2, 3)
     assert slower.turns_per_min < every.turns_per_min
+
+
+def test_the_baselines_sample_carries_every_modes_average_work() -> None:
+    """S5's generated sessions (the demo's size): their turn 1 adds the first tool result,
+    about three times a later turn's new tokens. The grid 1, 4, ..., 28 carries the
+    no-cache mode's work (prompt tokens) but 10% more than kvkeep's average (new tokens);
+    the balanced sample carries both within 3%, one turn from each three in a row."""
+    spec = SessionSpec(turns=30, scale=0.08, max_output_tokens=4)
+    sessions = generate_sessions(spec, CharEstimate(), 8)
+    work = turn_work(sessions)
+    grid = grid_turns(30, 3)
+    assert sample_error(work, grid) > 0.08  # the new tokens: what the grid got wrong
+
+    sample = balanced_turns(work, 3)
+    assert sample_error(work, sample) < 0.03
+    assert [t // 3 for t in sample] == list(range(10))  # one in each stratum, in order
+    assert balanced_turns(work, 3) == sample  # deterministic
+    assert balanced_turns(work, 1) == list(range(30))
+    # a short last stratum still gets its turn
+    assert [t // 4 for t in balanced_turns(work, 4)] == list(range(8))
+
+
+def test_turn_work_reads_prompt_and_new_tokens_per_turn() -> None:
+    spec = SessionSpec(turns=4, scale=0.05, max_output_tokens=4)
+    sessions = generate_sessions(spec, CharEstimate(), 2)
+    work = turn_work(sessions)
+    prompts = [[t.target_tokens for t in s] for s in sessions]
+    assert work[2][0] == pytest.approx((prompts[0][2] + prompts[1][2]) / 2)
+    assert work[2][1] == pytest.approx((prompts[0][2] ** 2 + prompts[1][2] ** 2) / 2)
+    new = [(p[2] - p[1]) for p in prompts]
+    assert work[2][2] == pytest.approx(sum(new) / 2)
+    assert work[0][2] == pytest.approx(work[0][0])  # the first turn: all of it is new
 
 
 def _phase(hit: float, ttft: float) -> Queried:

@@ -138,6 +138,17 @@ def test_a_bad_cache_size_is_refused_before_anything_starts(
     assert "kvkeep bench session: bad size '2 gigs'" in capsys.readouterr().err
 
 
+def test_a_baseline_stride_below_one_is_refused_and_three_samples_the_baselines(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["agents", "--model", str(tiny_model), "--baseline-stride", "0"]
+    assert cli.main(argv) == 2
+    assert "--baseline-stride must be at least 1" in capsys.readouterr().err
+    args = cli.parser("agents").parse_args(["--model", str(tiny_model), "--baseline-stride", "3"])
+    (scenario,) = cli._scenarios("agents", args)
+    assert scenario.baseline_stride == 3
+
+
 def test_every_command_parses_its_defaults() -> None:
     for name in cli.COMMANDS:
         assert isinstance(cli.parser(name).parse_args([]), argparse.Namespace)

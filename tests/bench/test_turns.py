@@ -21,7 +21,7 @@ from kvkeep.bench.cli import (
 )
 from kvkeep.bench.context import Needs, RunContext, Setup
 from kvkeep.bench.deploy.vllm import LaunchConfig
-from kvkeep.bench.suite import Progress, _run_batch, run_modes
+from kvkeep.bench.suite import Progress, Timings, _run_batch, run_modes
 from kvkeep.bench.turns import Turnstile
 from kvkeep.launch.installed_vllm import installed_vllm
 
@@ -84,6 +84,30 @@ def test_a_turn_lasts_the_quantum_however_short_the_units() -> None:
     assert 2 <= len(settled) <= 10
 
 
+def test_each_members_held_seconds_count_its_turns_not_the_settling() -> None:
+    """`held` is what each mode cost the run: a member whose units take 3x as long holds
+    the machine ~3x as long, and the settle before each turn is not counted."""
+    stile = Turnstile(["a", "b"], lambda: time.sleep(0.05), quantum_s=0)
+
+    def member(m: str, unit_s: float) -> None:
+        for _ in range(4):
+            with stile.turn(m):
+                time.sleep(unit_s)
+        stile.leave(m)
+
+    threads = [
+        threading.Thread(target=member, args=("a", 0.02)),
+        threading.Thread(target=member, args=("b", 0.06)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert 0.08 <= stile.held["a"] < 0.08 + 0.1  # 4 units of 20 ms, no 50 ms settles
+    assert 0.24 <= stile.held["b"] < 0.24 + 0.1
+    assert stile.held["b"] > 2 * stile.held["a"]
+
+
 def test_the_turn_is_reentrant_and_settles_only_after_another_members_work() -> None:
     """The first turn of all settles (deployments just started); a member alone taking its
     turn back does not wait for its own work; a turn after another member's settles."""
@@ -134,11 +158,19 @@ def test_a_group_runs_each_scenario_in_its_modes_at_once_unit_by_unit(
     out: dict[str, dict[str, object]] = {"marked": {}, "whole": {}}
 
     todo = {"vllm": [marked, whole], "kvkeep": [marked, whole]}
+    timings = Timings()
     with Progress([marked, whole], 2, None) as bar:
-        _run_batch([marked, whole], todo, setup.base, Needs(engine=False), setup, out, bar, False)
+        _run_batch(
+            [marked, whole], todo, setup.base, Needs(engine=False), setup, out, bar, False, timings
+        )
     assert log == [("marked", "vllm"), ("marked", "kvkeep")] * 2 + [
         ("whole", "kvkeep"), ("whole", "kvkeep"), ("whole", "vllm"), ("whole", "vllm")]  # fmt: skip
     assert out["marked"] == {"vllm": {"units": 2}, "kvkeep": {"units": 2}}
+    # each mode held the machine for its two 20 ms units of each scenario
+    for name in ("marked", "whole"):
+        held = timings.scenarios[name]["modes"]
+        assert set(held) == {"vllm", "kvkeep"} and all(0.04 <= v < 1.0 for v in held.values())
+        assert timings.scenarios[name]["wall_s"] >= sum(held.values())
 
 
 def test_auto_puts_the_modes_together_only_where_their_engines_fit_in_memory(
@@ -188,6 +220,11 @@ def test_a_mode_alone_runs_on_the_same_turn_taking_path(tmp_path: Path) -> None:
             return {"units": 1}
 
     setup = Setup(LaunchConfig(model=tmp_path, log_dir=tmp_path), together=False)
-    out = run_modes([Members()], ["vllm", "kvkeep"], setup)  # type: ignore[list-item]
+    timings = Timings()
+    out = run_modes([Members()], ["vllm", "kvkeep"], setup, timings=timings)  # type: ignore[list-item]
     assert out["members"] == {"vllm": {"units": 1}, "kvkeep": {"units": 1}}
     assert seen == [("vllm", ["vllm"]), ("kvkeep", ["kvkeep"])]
+    # where the time went: each mode's run, and the scenario's wall time over both batches
+    entry = timings.scenarios["members"]
+    assert set(entry["modes"]) == {"vllm", "kvkeep"}
+    assert entry["wall_s"] >= sum(entry["modes"].values()) >= 0.0

@@ -130,8 +130,9 @@ def main(argv: list[str]) -> int:
     t0 = time.monotonic()
     args.modes = _modes(args.modes, scenarios)
     expected = suite.size(args).seconds if name == "all" else None
+    timings = suite.Timings()
     results = suite.run_modes(
-        scenarios, args.modes, setup, getattr(args, "profile", False), expected
+        scenarios, args.modes, setup, getattr(args, "profile", False), expected, timings
     )
     env = environment(getattr(args, "model", None))
     output = COMMANDS[name].output
@@ -139,7 +140,7 @@ def main(argv: list[str]) -> int:
         doc = next(iter(next(iter(results.values())).values()))
         return output({**doc, "environment": env}, args)
     doc = _document(name, results, args)
-    doc.update(wall_s=time.monotonic() - t0, environment=env)
+    doc.update(wall_s=time.monotonic() - t0, timings=timings.scenarios, environment=env)
     return write(doc, args, name)
 
 

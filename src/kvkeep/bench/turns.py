@@ -46,7 +46,10 @@ class Turnstile:
     goes straight on. A member that has left (it finished, or failed) is let through at once,
     alone: it is not in the rotation any more. A member that takes the turn back from itself
     (the only one left, or alone from the start) skips ``settle``: no other member's work ran
-    in between to settle. The first turn of all settles (deployments just started)."""
+    in between to settle. The first turn of all settles (deployments just started).
+
+    ``held[member]``: the seconds it has held the turn, settling not counted; what each mode
+    cost the run (`make demo` reports them per scenario)."""
 
     def __init__(
         self,
@@ -63,6 +66,7 @@ class Turnstile:
         self._quantum = QUANTUM_S if quantum_s is None else quantum_s
         self._settle = settle
         self._cond = threading.Condition()
+        self.held: dict[str, float] = dict.fromkeys(self._order, 0.0)
 
     @property
     def members(self) -> list[str]:
@@ -94,6 +98,7 @@ class Turnstile:
             self._depth -= 1
             if self._depth or time.monotonic() - self._since < self._quantum:
                 return  # a unit within the turn, or the turn is not over: the holder keeps it
+            self._count(member)
             self._holder, self._last = None, member
             self._next = (self._order.index(member) + 1) % len(self._order)
             self._cond.notify_all()
@@ -105,12 +110,17 @@ class Turnstile:
             i = self._order.index(member)
             self._order.remove(member)
             if self._holder == member:
+                self._count(member)
                 self._holder, self._depth, self._last = None, 0, member
             if self._order:
                 if self._next > i:
                     self._next -= 1
                 self._next %= len(self._order)
             self._cond.notify_all()
+
+    def _count(self, member: str) -> None:
+        """Add the turn ending now to ``held`` (with the lock held)."""
+        self.held[member] = self.held.get(member, 0.0) + time.monotonic() - self._since
 
     @contextlib.contextmanager
     def turn(self, member: str) -> Iterator[None]:

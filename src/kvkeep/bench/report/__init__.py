@@ -32,6 +32,8 @@ def markdown(doc: dict[str, Any]) -> str:
         parts.insert(0, tables.claims_table(doc, registry.claims(), sections))
     if isinstance(doc.get("wall_s"), int | float):
         parts.append(f"This run took {_duration(doc['wall_s'])} (set-up excluded).")
+    if isinstance(doc.get("timings"), dict) and doc["timings"]:
+        parts.append(tables.timings_table(doc["timings"]))
     if isinstance(doc.get("environment"), dict):
         parts.append(env_markdown(doc["environment"]))
     failed = errors(doc)

@@ -112,3 +112,43 @@ def profile_table(doc: dict[str, Any]) -> str:
         "of it that answered requests)\n\n"
     )
     return head + markdown_table(["scenario", "mode", "requests", *PROFILE_OPS], rows)
+
+
+def timings_table(timings: Mapping[str, Mapping[str, Any]]) -> str:
+    """Where the run's time went: per scenario (``NAME@TAG`` variants on rows of their own),
+    its group's engine starts, each mode's seconds holding the machine and the scenario's
+    wall time (`suite.Timings`), then the totals."""
+    modes: list[str] = []
+    for t in timings.values():
+        modes += [m for m in t.get("modes", {}) if m not in modes]
+    rows, total = [], {"starts": 0.0, "wall": 0.0, **dict.fromkeys(modes, 0.0)}
+    for name, t in timings.items():
+        by_mode = t.get("modes", {})
+        rows.append(
+            [
+                name,
+                f"{t.get('starts_s', 0.0):.0f}",
+                *(f"{by_mode[m]:.0f}" if m in by_mode else "-" for m in modes),
+                f"{t.get('wall_s', 0.0):.0f}",
+            ]
+        )
+        total["starts"] += t.get("starts_s", 0.0)
+        total["wall"] += t.get("wall_s", 0.0)
+        for m in modes:
+            total[m] += by_mode.get(m, 0.0)
+    rows.append(
+        [
+            "all",
+            f"{total['starts']:.0f}",
+            *(f"{total[m]:.0f}" for m in modes),
+            f"{total['wall']:.0f}",
+        ]
+    )
+    head = (
+        "### Where the time went (seconds)\n\n"
+        "Engine starts are a group's (its modes' engines start at once), counted with its first "
+        "scenario. A mode's seconds are those it held the machine while the modes took turns; "
+        "a scenario's wall time also holds the waits for a quiet machine between turns.\n\n"
+    )
+    header = ["scenario", "engine starts", *(f"{m}" for m in modes), "scenario wall"]
+    return head + markdown_table(header, rows)

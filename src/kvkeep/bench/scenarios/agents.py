@@ -28,7 +28,6 @@ from kvkeep.bench.http import (
     LATE_TURNS,
     AgentsSummary,
     run_agents,
-    sampled_turns,
     summarize_agents,
     summarize_sample,
 )
@@ -37,6 +36,7 @@ from kvkeep.bench.report.plots import bar_plot
 from kvkeep.bench.report.results import Run
 from kvkeep.bench.report.tables import Column, Table, count, one_place, pct, secs
 from kvkeep.bench.result import FLAT
+from kvkeep.bench.sampling import balanced_turns, grid_turns, turn_work
 from kvkeep.bench.scenario import Needs
 from kvkeep.bench.scenarios import session
 from kvkeep.traffic.workload import SessionSpec, TokenCounter, generate_sessions
@@ -75,6 +75,7 @@ class AgentsResult(AgentsRun):
     # baselines ran only those; kvkeep ran them all), which the claims and table compare.
     stride: int = 1
     sampled: AgentsSummary | None = None
+    sample: list[int] | None = None  # the sampled turns (`bench.sampling.balanced_turns`)
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,7 @@ class AgentsScenario:
         if self.agents < 1 or self.replicas < 1:
             raise ValueError("--agents and --replicas must be at least 1")
         sessions = generate_sessions(self.spec, self.counter, self.agents)
-        sample = sampled_turns(self.spec.turns, self.baseline_stride)
+        sample = balanced_turns(turn_work(sessions), self.baseline_stride)
         if ctx.mode in BASELINES and self.baseline_stride > 1:
             sessions = [[t for t in turns if t.index in sample] for turns in sessions]
         probes = [ctx.probe(i) for i in range(len(ctx.urls))]
@@ -152,6 +153,7 @@ class AgentsScenario:
             fit,
             self.baseline_stride,
             sampled,
+            sample if sampled else None,
         )
 
 
@@ -159,6 +161,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     session.add_args(p)
     p.add_argument("--agents", type=int, default=8)
     p.add_argument("--tool-delay", type=float, default=0.5, help="seconds a tool call takes")
+    p.add_argument(
+        "--baseline-stride",
+        type=int,
+        default=1,
+        metavar="N",
+        help="modes none and vllm run one turn in N (kvkeep every turn) and every mode is "
+        "compared on those turns, as make demo does with 3 (default: 1, every turn)",
+    )
     p.add_argument(
         "--replicas",
         type=int,
@@ -180,7 +190,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def build(args: argparse.Namespace) -> list[AgentsScenario]:
     spec, counter = session.session_spec(args), session.token_counter(args)
-    one = AgentsScenario(spec, counter, agents=args.agents, tool_delay_s=args.tool_delay)
+    if args.baseline_stride < 1:
+        raise ValueError("--baseline-stride must be at least 1 (1: every mode runs every turn)")
+    one = AgentsScenario(
+        spec,
+        counter,
+        agents=args.agents,
+        tool_delay_s=args.tool_delay,
+        baseline_stride=args.baseline_stride,
+    )
     if args.replicas <= 1:
         return [replace(one, pool_tokens=args.num_blocks * 128 if args.num_blocks else None)]
     shared = not args.no_shared_store
@@ -238,11 +256,14 @@ def _agents_head(run: Run[AgentsResult]) -> str:
     sampled = [r for r in run.modes.values() if r.sampled]
     if sampled:
         r = sampled[0]
-        turns = sampled_turns(r.spec.turns, r.stride)
+        turns = r.sample or grid_turns(r.spec.turns, r.stride)  # results from before the
+        # balanced sample ran the grid
         head += (
             f"To bound their time, modes {' and '.join(BASELINES)} ran one turn in {r.stride} "
-            f"of each session ({len(turns)} of {r.spec.turns}: {turns[0]}, {turns[1]}, ..., "
-            f"{turns[-1]}) and kvkeep every turn; every figure below is over those sampled "
+            f"of each session ({len(turns)} of {r.spec.turns}: turns "
+            f"{', '.join(map(str, turns))}; one from each {r.stride} in a row, those whose "
+            "prompt and new tokens average closest to the whole session's) and kvkeep every "
+            "turn; every figure below is over those sampled "
             "turns in every mode (an agent's time: its turns' latencies and tool delays), "
             "the late-turn wait over the last "
             f"{max(1, -(-LATE_TURNS // r.stride))} of them. kvkeep over all its turns: "
@@ -332,8 +353,8 @@ COMMAND = Command(
     # less per-turn fixed costs): 14-turn sessions measured ~5x over no cache, 30 turns
     # 5.9-7.7x.
     in_suite=InSuite(
-        # The demo's baselines run every third turn (1, 4, ..., 28): 127 s and 95 s at stride
-        # 1 on 2 cores with AMX, of a 16-minute run (kvkeep's 22 s).
+        # The demo's baselines run one turn in three (`bench.sampling.balanced_turns`): 127 s
+        # and 95 s at stride 1 on 2 cores with AMX, of a 16-minute run (kvkeep's 22 s).
         quick=InSuiteAgents(agents=8, turns=30, scale=0.08, baseline_stride=3),
         full=InSuiteAgents(agents=8, turns=30, scale=0.1, fit_scale=0.02),
         runs={50: _in_suite},
