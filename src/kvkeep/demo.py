@@ -4,7 +4,8 @@ It generates the tiny model if it is missing, then runs `kvkeep bench all --quic
 experiments of the study (session, TTFT, capacity, restarts, agents, head-of-line) with no
 cache, vLLM's prefix cache and kvkeep, side by side. It prints the table of the study's claims
 and says where the report and plots are, and how long the run took. Nothing is downloaded;
-on a fresh clone on 2 cores with AMX `time make demo` took 10 min 51 s, set-up included.
+on a fresh clone on 2 cores with AMX `time make demo` took 11-14 min, set-up included (12 min
+31 s on 2026-12-07); the report's last table says where each scenario's time went.
 """
 
 from __future__ import annotations

@@ -359,6 +359,6 @@ COMMAND = Command(
         full=InSuiteAgents(agents=8, turns=30, scale=0.1, fit_scale=0.02),
         runs={50: _in_suite},
         # seconds in all three modes, engine starts included (`make demo`, 2 cores with AMX)
-        quick_s={"agents": 81},
+        quick_s={"agents": 94},
     ),
 )

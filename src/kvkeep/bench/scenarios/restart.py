@@ -411,6 +411,6 @@ COMMAND = Command(
         full=InSuiteRestart(docs=6, doc_tokens=8192),
         runs={60: lambda size, _: [RestartScenario(suite_spec(size))]},
         # seconds in all three modes, engine starts included (`make demo`, 2 cores with AMX)
-        quick_s={"restart": 169},
+        quick_s={"restart": 189},
     ),
 )
