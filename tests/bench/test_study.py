@@ -209,12 +209,3 @@ def test_all_report_has_a_row_per_claim_and_a_self_contained_page(tmp_path: Path
     assert page.count("data:image/png;base64,") == sum(p.suffix == ".png" for p in paths) >= 3
     assert "<td>S4 hit rate after vLLM restart</td>" in page
     assert 'src="http' not in page  # nothing to fetch: one self-contained file
-
-
-def test_spans_split_a_session_into_runs_of_consecutive_turns() -> None:
-    from kvkeep.bench.scenarios.agents import spans
-
-    assert spans(30, 5) == [(0, 6), (6, 12), (12, 18), (18, 24), (24, 30)]
-    assert spans(30, 1) == [(0, 30)]
-    assert spans(7, 3) == [(0, 2), (2, 5), (5, 7)]  # as equal as they divide, none empty
-    assert spans(3, 10) == [(0, 1), (1, 2), (2, 3)]  # never more spans than turns

@@ -10,7 +10,6 @@ import asyncio
 import json
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -116,51 +115,3 @@ def test_failed_start_quotes_the_log(tiny_model: Path, tmp_path: Path) -> None:
     assert "not-a-number" in msg  # vLLM's own complaint, quoted from the log tail
     assert "Cause: " in msg and "invalid int value" in msg.split("Cause: ")[1].splitlines()[0]
     assert str(tmp_path) in msg
-
-
-def test_agents_in_spans_take_turns_and_the_baseline_runs_only_its_sample(
-    vllm_engine: VLLMServer,
-) -> None:
-    """S5 as `make demo` runs it, on a real engine: the sessions run in spans, the modes
-    taking turns span by span; the baseline runs only the balanced sample's turns and every
-    mode is summarized over those turns."""
-    from kvkeep.bench.context import RunContext
-    from kvkeep.bench.scenarios.agents import AgentsScenario
-    from kvkeep.bench.turns import Turnstile
-    from kvkeep.traffic.workload import HFTokenizer, SessionSpec
-
-    order: list[str] = []
-
-    class Logged(Turnstile):
-        def acquire(self, member: str) -> None:
-            super().acquire(member)
-            order.append(member)
-
-    spec = SessionSpec(turns=6, scale=0.02, max_output_tokens=4)
-    scenario = AgentsScenario(
-        spec, HFTokenizer(vllm_engine.cfg.model), agents=2, tool_delay_s=0.0,
-        baseline_stride=3, spans=2,
-    )  # fmt: skip
-    assert scenario.needs().turns
-    stile = Logged(["none", "kvkeep"], settle=lambda: None, quantum_s=0)
-    results = {}
-
-    def run(mode: str) -> None:
-        ctx = RunContext(mode, vllm_engine.cfg.model, endpoint=vllm_engine.url, turnstile=stile)
-        try:
-            results[mode] = scenario.run(ctx)
-        finally:
-            stile.leave(mode)
-
-    threads = [threading.Thread(target=run, args=(m,)) for m in ("none", "kvkeep")]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert order == ["none", "kvkeep", "none", "kvkeep"]  # span by span, not mode by mode
-    base, kept = results["none"], results["kvkeep"]
-    assert base.sample == kept.sample and len(base.sample) == 2  # one turn from each 3
-    assert base.summary.turns == 2 * 2 and kept.summary.turns == 2 * 6
-    assert base.sampled.turns == kept.sampled.turns == 2 * 2
-    for agent, waits in kept.summary.wait_per_turn_s.items():
-        assert len(waits) == 6 and len(base.summary.wait_per_turn_s[agent]) == 2

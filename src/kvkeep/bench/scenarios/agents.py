@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import itertools
 import operator
 import time
 from dataclasses import dataclass, field, replace
@@ -28,7 +27,6 @@ from kvkeep.bench.context import RunContext
 from kvkeep.bench.http import (
     LATE_TURNS,
     AgentsSummary,
-    TurnResult,
     run_agents,
     summarize_agents,
     summarize_sample,
@@ -103,17 +101,10 @@ class AgentsScenario:
     # The baselines (modes none and vllm) run every stride-th turn of each session to bound
     # their time (a third of `make demo` went to them at stride 1); kvkeep runs every turn.
     baseline_stride: int = 1
-    # The sessions run in this many spans of consecutive turns, each span a unit in which
-    # the modes take turns (`kvkeep.bench.turns`): a mode's run then spans the same minutes
-    # as the others', where run whole (none ~40 s, vllm ~30 s, kvkeep ~20 s one after the
-    # other) a slow stretch of this machine fell on one mode. Each span ends when every
-    # agent has finished its turns in it; an agent's time is still its own turns' latencies
-    # and tool delays.
-    spans: int = 1
 
     def needs(self) -> Needs:
         if self.replicas == 1:
-            return Needs(tokens=session.session_tokens(self.spec), turns=self.spans > 1)
+            return Needs(tokens=session.session_tokens(self.spec))
         return Needs(
             tokens=session.session_tokens(self.spec),
             modes=("kvkeep",),
@@ -131,21 +122,14 @@ class AgentsScenario:
             sessions = [[t for t in turns if t.index in sample] for turns in sessions]
         probes = [ctx.probe(i) for i in range(len(ctx.urls))]
         before = [p.snapshot() for p in probes]
-        results: list[TurnResult] = []
-        wall = 0.0
+        t0 = time.perf_counter()
         with tqdm(
             total=sum(map(len, sessions)), desc=f"  {self.agents} agents' turns", leave=False
         ) as bar:
-            for lo, hi in spans(self.spec.turns, self.spans):
-                part = [[t for t in turns if lo <= t.index < hi] for turns in sessions]
-                with ctx.turn():
-                    t0 = time.perf_counter()
-                    rows = asyncio.run(
-                        run_agents(ctx.urls, part, self.tool_delay_s, lambda _: bar.update())
-                    )
-                    results += [replace(r, start_s=r.start_s + wall) for r in rows]
-                    wall += time.perf_counter() - t0
-        summary = summarize_agents(results, wall, self.agents)
+            results = asyncio.run(
+                run_agents(ctx.urls, sessions, self.tool_delay_s, lambda _: bar.update())
+            )
+        summary = summarize_agents(results, time.perf_counter() - t0, self.agents)
         delta = functools.reduce(operator.add, map(Probe.delta, probes, before))
         prompt = sum(r.prompt_tokens for r in results)
         rates = hit_split(delta, prompt)
@@ -173,13 +157,6 @@ class AgentsScenario:
         )
 
 
-def spans(turns: int, n: int) -> list[tuple[int, int]]:
-    """``n`` ranges of consecutive turn indices, [lo, hi), as equal as they divide."""
-    n = max(1, min(n, turns))
-    edges = [round(i * turns / n) for i in range(n + 1)]
-    return list(itertools.pairwise(edges))
-
-
 def add_args(p: argparse.ArgumentParser) -> None:
     session.add_args(p)
     p.add_argument("--agents", type=int, default=8)
@@ -191,14 +168,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="modes none and vllm run one turn in N (kvkeep every turn) and every mode is "
         "compared on those turns, as make demo does with 3 (default: 1, every turn)",
-    )
-    p.add_argument(
-        "--spans",
-        type=int,
-        default=1,
-        metavar="N",
-        help="run the sessions in N spans of consecutive turns, the modes taking turns span by "
-        "span, as make demo does with 5 (default: 1, each mode's run whole)",
     )
     p.add_argument(
         "--replicas",
@@ -223,15 +192,12 @@ def build(args: argparse.Namespace) -> list[AgentsScenario]:
     spec, counter = session.session_spec(args), session.token_counter(args)
     if args.baseline_stride < 1:
         raise ValueError("--baseline-stride must be at least 1 (1: every mode runs every turn)")
-    if args.spans < 1:
-        raise ValueError("--spans must be at least 1 (1: each mode runs its sessions whole)")
     one = AgentsScenario(
         spec,
         counter,
         agents=args.agents,
         tool_delay_s=args.tool_delay,
         baseline_stride=args.baseline_stride,
-        spans=args.spans,
     )
     if args.replicas <= 1:
         return [replace(one, pool_tokens=args.num_blocks * 128 if args.num_blocks else None)]
@@ -250,7 +216,6 @@ class InSuiteAgents:
     scale: float
     fit_scale: float | None = None
     baseline_stride: int = 1
-    spans: int = 1
 
 
 def _in_suite(size: InSuiteAgents, run: SuiteRun) -> list[AgentsScenario]:
@@ -262,7 +227,6 @@ def _in_suite(size: InSuiteAgents, run: SuiteRun) -> list[AgentsScenario]:
         tool_delay_s=0.2,
         pool_tokens=run.pool_tokens,
         baseline_stride=size.baseline_stride,
-        spans=size.spans,
     )
     if not size.fit_scale:
         return [one]
@@ -391,7 +355,7 @@ COMMAND = Command(
     in_suite=InSuite(
         # The demo's baselines run one turn in three (`bench.sampling.balanced_turns`): 127 s
         # and 95 s at stride 1 on 2 cores with AMX, of a 16-minute run (kvkeep's 22 s).
-        quick=InSuiteAgents(agents=8, turns=30, scale=0.08, baseline_stride=3, spans=5),
+        quick=InSuiteAgents(agents=8, turns=30, scale=0.08, baseline_stride=3),
         full=InSuiteAgents(agents=8, turns=30, scale=0.1, fit_scale=0.02),
         runs={50: _in_suite},
         # seconds in all three modes, engine starts included (`make demo`, 2 cores with AMX)
