@@ -115,3 +115,29 @@ def test_failed_start_quotes_the_log(tiny_model: Path, tmp_path: Path) -> None:
     assert "not-a-number" in msg  # vLLM's own complaint, quoted from the log tail
     assert "Cause: " in msg and "invalid int value" in msg.split("Cause: ")[1].splitlines()[0]
     assert str(tmp_path) in msg
+
+
+def test_a_baseline_runs_only_its_sample_and_both_modes_are_summarized_on_it(
+    vllm_engine: VLLMServer,
+) -> None:
+    """S5 as `make demo` runs it, on a real engine: at stride 3 the baseline runs only the
+    balanced sample's turns, the other mode runs every turn, and both are summarized over
+    the same sampled turns."""
+    from kvkeep.bench.context import RunContext
+    from kvkeep.bench.scenarios.agents import AgentsScenario
+    from kvkeep.traffic.workload import HFTokenizer, SessionSpec
+
+    spec = SessionSpec(turns=6, scale=0.02, max_output_tokens=4)
+    scenario = AgentsScenario(
+        spec, HFTokenizer(vllm_engine.cfg.model), agents=2, tool_delay_s=0.0, baseline_stride=3
+    )
+    model, url = vllm_engine.cfg.model, vllm_engine.url
+    base = scenario.run(RunContext("none", model, endpoint=url))
+    kept = scenario.run(RunContext("kvkeep", model, endpoint=url))
+    assert base.sample == kept.sample and len(base.sample) == 2  # one turn from each 3
+    assert base.summary.turns == 2 * 2 and kept.summary.turns == 2 * 6
+    assert base.sampled is not None and kept.sampled is not None
+    assert base.sampled.turns == kept.sampled.turns == 2 * 2
+    for agent, waits in kept.summary.wait_per_turn_s.items():
+        assert len(waits) == 6 and len(base.summary.wait_per_turn_s[agent]) == 2
+        assert len(kept.sampled.wait_per_turn_s[agent]) == 2
