@@ -353,9 +353,9 @@ COMMAND = Command(
     # less per-turn fixed costs): 14-turn sessions measured ~5x over no cache, 30 turns
     # 5.9-7.7x.
     in_suite=InSuite(
-        # The demo's baselines run one turn in two (`bench.sampling.balanced_turns`): 127 s
+        # The demo's baselines run one turn in three (`bench.sampling.balanced_turns`): 127 s
         # and 95 s at stride 1 on 2 cores with AMX, of a 16-minute run (kvkeep's 22 s).
-        quick=InSuiteAgents(agents=8, turns=30, scale=0.08, baseline_stride=2),
+        quick=InSuiteAgents(agents=8, turns=30, scale=0.08, baseline_stride=3),
         full=InSuiteAgents(agents=8, turns=30, scale=0.1, fit_scale=0.02),
         runs={50: _in_suite},
         # seconds in all three modes, engine starts included (`make demo`, 2 cores with AMX)
