@@ -17,6 +17,7 @@ from kvkeep.tinymodel.generate import (
     MLA_LAYERS,
     WEIGHTS_FILE,
     TinyModelSpec,
+    auto_dtype,
     write_tiny_model,
 )
 
@@ -34,15 +35,16 @@ def generated_or_fresh(
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model (KVKEEP_TINY_MODEL)."""
-    return generated_or_fresh("KVKEEP_TINY_MODEL", tmp_path_factory, "tiny-model", TinyModelSpec())
+    """The tiny model (KVKEEP_TINY_MODEL), in the dtype `kvkeep model tiny` picks here."""
+    spec = TinyModelSpec(dtype=auto_dtype("llama"))
+    return generated_or_fresh("KVKEEP_TINY_MODEL", tmp_path_factory, "tiny-model", spec)
 
 
 @pytest.fixture(scope="session")
 def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Gemma-3-style hybrid (5 sliding-window layers of 512 tokens, then 1 full;
     KVKEEP_TINY_GEMMA3)."""
-    spec = TinyModelSpec(arch="gemma3", layers=HYBRID_LAYERS)
+    spec = TinyModelSpec(arch="gemma3", layers=HYBRID_LAYERS, dtype=auto_dtype("gemma3"))
     return generated_or_fresh("KVKEEP_TINY_GEMMA3", tmp_path_factory, "tiny-gemma3", spec)
 
 

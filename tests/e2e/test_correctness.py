@@ -1,8 +1,9 @@
 """Wrong KV is never served or stored, and the tests can see it if it were.
 
-One cache server (an 8 MiB RAM tier: 32 blocks) behind a proxy that can act between the
-scheduler's LOOKUP and the worker's ACQUIRE, and one vLLM in mode kvkeep with its device
-cache resettable, shared by the module. Replies are judged by ``kvkeep.bench.criterion``.
+One cache server (a RAM tier of 32 engine blocks: 8 MiB in bf16, 16 MiB in float32) behind
+a proxy that can act between the scheduler's LOOKUP and the worker's ACQUIRE, and one vLLM in
+mode kvkeep with its device cache resettable, shared by the module. Replies are judged by
+``kvkeep.bench.criterion``.
 
 - The guard: the tiny model reads its context (different prefixes, different replies), and a
   block with wrong bytes and a valid checksum changes the reply. Every output comparison in
@@ -48,6 +49,7 @@ from .engine import (
     complete,
     corrupt_stored,
     decisive_reference,
+    engine_block_bytes,
     full_blocks,
     plant_wrong_block,
     reference,
@@ -56,6 +58,8 @@ from .engine import (
 )
 
 pytestmark = pytest.mark.e2e
+
+RAM_BLOCKS = 32  # the rig's RAM tier, in engine blocks of the tiny model
 
 
 @dataclass
@@ -128,7 +132,8 @@ def rig(
     """The rig with every load synchronous, then (a second vLLM) every load asynchronous."""
     asynchronous = request.param == "async"
     base = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvkc-{os.getpid()}-{time.time_ns()}"
-    cache = CacheServerProcess(CacheServerConfig(base / "cache", ram="8MiB", disk="0"))
+    ram = str(RAM_BLOCKS * engine_block_bytes(tiny_model))
+    cache = CacheServerProcess(CacheServerConfig(base / "cache", ram=ram, disk="0"))
     cache.ensure()
     proxy = RpcProxy(str(base / "proxy.sock"), cache.cfg.socket_path)
     cfg = LaunchConfig(

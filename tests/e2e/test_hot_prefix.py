@@ -20,7 +20,7 @@ from kvkeep.launch.cache_server import CacheServerProcess
 from kvkeep.server.client import KVKeepClient
 
 from .conftest import CacheServerFactory
-from .engine import BLOCK, complete, tokens_at_least, worker_namespace
+from .engine import BLOCK, complete, engine_block_bytes, tokens_at_least, worker_namespace
 
 pytestmark = pytest.mark.e2e
 
@@ -43,7 +43,8 @@ def test_a_prefix_served_from_vllms_pool_stays_and_comes_back_first(
     rng = random.Random(11)
     hot = [rng.randrange(100, 1000) for _ in range(6 * BLOCK + 40)]  # 6 full blocks
     others = [[rng.randrange(100, 1000) for _ in range(8 * BLOCK + 10)] for _ in range(12)]
-    small_cache = cache_server("8MiB", extra_args=("--extent", "1MiB"))
+    ram = 32 * engine_block_bytes(tiny_model)  # 32 blocks: 8 MiB in bf16, 16 MiB in float32
+    small_cache = cache_server(str(ram), extra_args=("--extent", "1MiB"))
     cfg = LaunchConfig(
         model=tiny_model,
         mode="kvkeep",

