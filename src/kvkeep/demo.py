@@ -5,7 +5,9 @@ experiments of the study (session, TTFT, capacity, restarts, agents, head-of-lin
 cache, vLLM's prefix cache and kvkeep, side by side. It prints the table of the study's claims
 and says where the report and plots are, and how long the run took. Nothing is downloaded;
 on a fresh clone on 2 cores with AMX `time make demo` took 11-14 min, set-up included (12 min
-31 s on 2026-12-07); the report's last table says where each scenario's time went.
+31 s on 2026-12-07), and 32 min on 2 cores of an AVX2-only AMD EPYC (the model in float32,
+`kvkeep model tiny --dtype auto`); the report's last table says where each scenario's time
+went.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import sys
 from pathlib import Path
 
 from kvkeep.bench import cli as bench_cli
-from kvkeep.tinymodel.generate import TinyModelSpec, write_tiny_model
+from kvkeep.tinymodel.generate import TinyModelSpec, auto_dtype, write_tiny_model
 
 
 def main(argv: list[str]) -> int:
@@ -26,7 +28,7 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if not (args.model / "config.json").is_file():
         print(f"generating the tiny model in {args.model}", file=sys.stderr)
-        write_tiny_model(args.model, TinyModelSpec())
+        write_tiny_model(args.model, TinyModelSpec(dtype=auto_dtype(TinyModelSpec.arch)))
     return bench_cli.main(
         [
             "all",
