@@ -250,9 +250,12 @@ def _document(name: str, results: suite.Results, args: argparse.Namespace) -> di
         for n, record in suite.records(size).items():
             docs[n].update(record)
         setup = _setup_record(args, args.num_blocks or size.pool_blocks)
-        return {"scenarios": docs, "setup": {"size": size.name, **setup}}
+        doc: dict[str, Any] = {"scenarios": docs, "setup": {"size": size.name, **setup}}
+        if getattr(args, "pace", None) is not None:  # the machine's pace, the time boxes' input
+            doc["pace"] = args.pace.summary()
+        return doc
     setup = _setup_record(args, args.num_blocks)
-    doc: dict[str, Any] = {"scenario": name, "modes": {}, "setup": setup}
+    doc = {"scenario": name, "modes": {}, "setup": setup}
     for scenario, by_mode in suite.by_scenario(results).items():
         doc["scenario"] = scenario
         doc["modes"].update(by_mode)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from kvkeep.bench.pace import Pace
 from kvkeep.bench.scenario import Scenario
 from kvkeep.plan.replay import ENGINE_BLOCK_TOKENS
 from kvkeep.traffic.workload import TokenCounter
@@ -62,12 +63,15 @@ class Claim(Generic[R]):
 @dataclass(frozen=True)
 class SuiteRun:
     """What every part of one `bench all` shares: the device pool (blocks), the tokenizer
-    that sizes the sessions, and whether vLLM's own scheduling is measured beside
-    `kvkeep serve`'s (mode vllm runs, not against an endpoint)."""
+    that sizes the sessions, whether vLLM's own scheduling is measured beside
+    `kvkeep serve`'s (mode vllm runs, not against an endpoint), and the machine's pace, which
+    S2 measures and the time-boxed baselines after it read (`kvkeep.bench.pace`; None: every
+    knob at its size's value)."""
 
     pool_blocks: int
     counter: TokenCounter
     reference: bool = True
+    pace: Pace | None = None
 
     @property
     def pool_tokens(self) -> int:

@@ -32,6 +32,7 @@ from kvkeep.bench.context import RunContext, Setup, deployment
 from kvkeep.bench.deploy import exit_on_sigterm
 from kvkeep.bench.deploy.vllm import MODES, LaunchConfig, LaunchError, VLLMServer
 from kvkeep.bench.metrics import kvkeep_profile
+from kvkeep.bench.pace import Pace
 from kvkeep.bench.result import to_json
 from kvkeep.bench.scenario import Needs, Scenario
 from kvkeep.bench.scenarios.registry import SCENARIOS
@@ -409,11 +410,14 @@ def size(args: argparse.Namespace) -> Size:
     return QUICK if args.quick else FULL
 
 
-def suite(size: Size, counter: TokenCounter, hol_reference: bool = True) -> list[Scenario]:
+def suite(
+    size: Size, counter: TokenCounter, hol_reference: bool = True, pace: Pace | None = None
+) -> list[Scenario]:
     """`bench all`'s scenarios, in the order they run on one deployment per mode (each
     scenario's `InSuite` places its runs); with ``hol_reference``, S6 again in mode vllm with
-    vLLM's own scheduling."""
-    run = SuiteRun(size.pool_blocks, counter, hol_reference)
+    vLLM's own scheduling; with ``pace``, S2 measures the machine and the baselines after it
+    are time-boxed by it (`kvkeep.bench.pace`)."""
+    run = SuiteRun(size.pool_blocks, counter, hol_reference, pace)
     places = [
         (place, c.name, build)
         for c in SCENARIOS
@@ -439,12 +443,21 @@ def _add_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the demo's size (10-13 min on 2 cores with AMX, 30 on an AVX2-only EPYC)",
     )
+    p.add_argument(
+        "--no-time-box",
+        action="store_true",
+        help="with --quick: keep every baseline's tries, stride and restarts at the quick "
+        "size's, however slow the machine (default: S2 measures the machine's prefill and a "
+        "slower one runs fewer baseline units, each table saying how many)",
+    )
     p.set_defaults(out=Path("kvkeep-report"))
 
 
 def _build(args: argparse.Namespace) -> list[Scenario]:
     reference = args.scheduling == "kvkeep" and "vllm" in args.modes and not args.endpoint
-    return suite(size(args), HFTokenizer(args.model), reference)
+    # The demo's size is time-boxed to the machine; the full size is a fixed measurement.
+    args.pace = Pace() if args.quick and not args.no_time_box and not args.endpoint else None
+    return suite(size(args), HFTokenizer(args.model), reference, args.pace)
 
 
 COMMAND = Command(

@@ -30,6 +30,8 @@ def markdown(doc: dict[str, Any]) -> str:
     ]
     if "scenarios" in doc and len(parts) > 2:
         parts.insert(0, tables.claims_table(doc, registry.claims(), sections))
+    if isinstance(doc.get("pace"), dict):
+        parts.append(pace_markdown(doc))
     if isinstance(doc.get("wall_s"), int | float):
         parts.append(f"This run took {_duration(doc['wall_s'])} (set-up excluded).")
     if isinstance(doc.get("timings"), dict) and doc["timings"]:
@@ -73,3 +75,44 @@ def _registry() -> ModuleType:
     from kvkeep.bench.scenarios import registry
 
     return registry
+
+
+def pace_markdown(doc: dict[str, Any]) -> str:
+    """What the time boxes made of this machine (`kvkeep.bench.pace`): its measured pace and
+    each time-boxed scenario's units, against the reference machine's."""
+    pace = doc["pace"]
+    measured, factor = pace.get("cold_ttft_s"), pace.get("factor") or 1.0
+    if measured is None:
+        return "Time boxes: S2 measured no cold prefill, so every baseline ran at its size."
+    from kvkeep.bench.scenarios import agents, hol, restart
+
+    units = []
+    for name, key, label, full in (
+        ("hol", "tries", "S6 {} tries in every mode", hol.REPEATS),
+        ("agents", "stride", "S5's baselines one turn in {}", agents.QUICK_STRIDE),
+        (
+            "restart",
+            "restart_ready_samples_s",
+            "S4 {} vLLM restart(s) per mode",
+            restart.RestartSpec().restarts,
+        ),
+    ):
+        for r in (doc.get("scenarios", {}).get(name, {}).get("modes") or {}).values():
+            value = r.get(key) if isinstance(r, dict) else None
+            if value:
+                n = len(value) if isinstance(value, list) else value
+                units.append(label.format(n) + f" ({full} at the reference)")
+                break
+    head = (
+        f"Time boxes: a cold {pace['reference_tokens']:,}-token prefill took {measured:.2f} s "
+        f"here (S2's median), {factor:.1f}x the {pace['reference_s']:.2f} s of the machine "
+        "the demo's sizes were set on (2 cores with AMX)"
+    )
+    if factor <= 1.0 or not units:
+        return head + ", so every baseline ran at its size."
+    return (
+        head
+        + ", so the baselines ran fewer units, the same in every mode: "
+        + "; ".join(units)
+        + "."
+    )

@@ -25,6 +25,7 @@ import httpx
 from kvkeep.bench.command import Claim, Command, InSuite, Section
 from kvkeep.bench.context import RunContext
 from kvkeep.bench.deploy.vllm import build_command
+from kvkeep.bench.pace import Pace
 from kvkeep.bench.prompts import reset_device_cache
 from kvkeep.bench.report.tables import Column, Table, times
 from kvkeep.bench.scenario import Needs, parse_sizes
@@ -39,11 +40,16 @@ from kvkeep.traffic.workload import random_ids
 # read vLLM's 8k prefill beside the cached request 10% faster than alone (0.637 against
 # 0.704 s), which no cause explains: 15 tries, taken in turns with the other modes.
 REPEATS = 15
+# `make demo` on a slower machine time-boxes the tries (`kvkeep.bench.pace`): on an AVX2-only
+# EPYC the 8k prefill takes 2.8 s, not 0.6, and 15 tries in three modes took 403 s of its 32
+# minutes. Five is the fewest whose median a single slow sample cannot move.
+LEAST_REPEATS = 5
 
 
 @dataclass(frozen=True)
 class HOLResult:
-    """Medians over REPEATS. ``ratio`` is the cached request's TTFT beside the prefill over
+    """Medians over ``tries`` (REPEATS, or fewer time-boxed). ``ratio`` is the cached request's
+    TTFT beside the prefill over
     alone; ``long_prefill_ratio`` the same for the large prompt. Scheduling values are those
     vLLM was started with (None: vLLM's default, or unknown with `--endpoint`)."""
 
@@ -59,6 +65,7 @@ class HOLResult:
     long_tokens: int
     max_num_batched_tokens: int | None
     long_prefill_token_threshold: int | None
+    tries: int = REPEATS
 
 
 @dataclass
@@ -70,6 +77,12 @@ class HOLScenario:
     budget: int | None = None  # vLLM's --max-num-batched-tokens (None: the run's)
     name: str = "hol"
     vllm_defaults: bool = False  # the reference: mode vllm with vLLM's own scheduling
+    pace: Pace | None = None  # given (`make demo`): the tries are time-boxed by it
+
+    def tries(self) -> int:
+        """REPEATS, or with a pace as many as take REPEATS' time on the reference machine (at
+        least LEAST_REPEATS). Read when the modes start, so every mode runs the same tries."""
+        return self.pace.units(REPEATS, LEAST_REPEATS) if self.pace else REPEATS
 
     def needs(self) -> Needs:
         if self.vllm_defaults:
@@ -80,7 +93,8 @@ class HOLScenario:
 
     def run(self, ctx: RunContext) -> HOLResult:
         from_kvkeep = ctx.mode == "kvkeep"
-        times = asyncio.run(self._run(ctx, from_kvkeep))
+        tries = self.tries()
+        times = asyncio.run(self._run(ctx, from_kvkeep, tries))
         med = {k: statistics.median(s.ttft_s for s in v) for k, v in times.items()}
         budget, threshold = _scheduling(ctx)
         return HOLResult(
@@ -96,12 +110,15 @@ class HOLScenario:
             long_tokens=self.long_tokens,
             max_num_batched_tokens=budget if budget is not None else self.budget,
             long_prefill_token_threshold=threshold,
+            tries=tries,
         )
 
     def _ids(self, n: int, salt: object) -> list[int]:
         return random_ids(n, f"hol:{self.seed}:{salt}")
 
-    async def _run(self, ctx: RunContext, from_kvkeep: bool) -> dict[str, list[StreamStats]]:
+    async def _run(
+        self, ctx: RunContext, from_kvkeep: bool, tries: int
+    ) -> dict[str, list[StreamStats]]:
         """Every timed request, by kind: short alone and beside, long alone and beside; each
         try is one unit where modes take turns."""
         url = ctx.url
@@ -111,16 +128,16 @@ class HOLScenario:
             model = await discover_model(client, url)
             async with ctx.aturn():
                 await complete_ids(client, url, model, short)  # cache it
-            for _ in range(REPEATS):
+            for _ in range(tries):
                 async with ctx.aturn():
                     if from_kvkeep:  # from kvkeep's server, not vLLM's device cache
                         await asyncio.to_thread(reset_device_cache, url)
                     out["alone"].append(await complete_ids(client, url, model, short))
-            for i in range(REPEATS):
+            for i in range(tries):
                 cold = self._ids(self.long_tokens, f"alone:{i}:{time.time_ns()}")
                 async with ctx.aturn():
                     out["long"].append(await complete_ids(client, url, model, cold))
-            for i in range(REPEATS):
+            for i in range(tries):
                 cold = self._ids(self.long_tokens, f"long:{i}:{time.time_ns()}")
                 async with ctx.aturn():
                     if from_kvkeep:
@@ -167,9 +184,11 @@ def build(args: argparse.Namespace) -> list[HOLScenario]:
     return out
 
 
-def reference(short_tokens: int, long_tokens: int) -> HOLScenario:
+def reference(short_tokens: int, long_tokens: int, pace: Pace | None = None) -> HOLScenario:
     """Mode vllm with vLLM's own scheduling defaults, filed as ``vllm@vllm-defaults``."""
-    return HOLScenario(short_tokens, long_tokens, name="hol@vllm-defaults", vllm_defaults=True)
+    return HOLScenario(
+        short_tokens, long_tokens, name="hol@vllm-defaults", vllm_defaults=True, pace=pace
+    )
 
 
 hol_table: Table[HOLResult] = Table(
@@ -187,6 +206,7 @@ hol_table: Table[HOLResult] = Table(
             lambda r: r.long_prefill_token_threshold,
             lambda v: str(v or "none"),
         ),
+        Column("tries", lambda r: r.tries, str),
     ),
 )
 
@@ -218,8 +238,8 @@ COMMAND = Command(
         quick=8192,
         full=16384,
         runs={
-            30: lambda long, _: [HOLScenario(short_tokens=1024, long_tokens=long)],
-            80: lambda long, run: [reference(1024, long)] if run.reference else [],
+            30: lambda long, run: [HOLScenario(1024, long, pace=run.pace)],
+            80: lambda long, run: [reference(1024, long, run.pace)] if run.reference else [],
         },
         # seconds in all three modes, engine starts included (`make demo`, 2 cores with AMX)
         quick_s={"hol": 88, "hol@vllm-defaults": 34},
