@@ -10,7 +10,7 @@ import pytest
 
 from kvkeep.bench import cli, report
 from kvkeep.bench.pace import REFERENCE_S, REFERENCE_TOKENS, Pace
-from kvkeep.bench.scenarios import agents, hol, restart, ttft
+from kvkeep.bench.scenarios import agents, hol, restart, session, ttft
 
 
 def paced(seconds: float, tokens: int = REFERENCE_TOKENS) -> Pace:
@@ -67,10 +67,14 @@ def test_the_demo_shares_one_pace_and_only_the_demo(tiny_model: Path) -> None:
     scenarios = {s.name: s for s in cli._scenarios("all", args)}
     pace = scenarios["ttft"].pace
     assert isinstance(pace, Pace) and pace is args.pace
-    for name in ("hol", "hol@vllm-defaults", "agents", "restart"):
-        assert getattr(scenarios[name], "pace") is pace, name
+    for name in ("session", "hol", "hol@vllm-defaults", "agents", "restart"):
+        assert vars(scenarios[name])["pace"] is pace, name
+    assert next(iter(scenarios)) == "ttft"  # it measures before any of them reads
+    assert scenarios["session"].stride() == 1  # unmeasured: every size as it is
     pace.record(REFERENCE_TOKENS, 2.8)
+    assert scenarios["session"].stride() == session.STRIDE_MOST
     assert scenarios["hol"].tries() == hol.LEAST_REPEATS
+    assert scenarios["hol@vllm-defaults"].tries() == 3
     assert scenarios["agents"].stride() == agents.STRIDE_MOST
     assert scenarios["restart"].restarts() == 1
     for argv in (["--quick", "--no-time-box"], []):

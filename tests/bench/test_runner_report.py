@@ -54,12 +54,14 @@ def test_kvkeep_tokens_are_summed_per_op(monkeypatch) -> None:  # type: ignore[n
 TTFT_4096 = to_json(TTFTResult({"4096": SizeTTFT(0.5, 0.05, [0.5], [0.05], 10.0, 0, 3968, 4096)}))
 
 
-def _session(prompts: list[int], cached: list[int]) -> dict:
+def _session(
+    prompts: list[int], cached: list[int], sample: list[int] | None = None, stride: int = 1
+) -> dict:
     rows = [
         TurnResult(0, i, p, c, p - c, 8, 0.1 * (i + 1), 0.2 * (i + 1), float(i))
         for i, (p, c) in enumerate(zip(prompts, cached, strict=True))
     ]
-    return to_json(summarize_session(rows, {}))
+    return to_json(summarize_session(rows, {}, sample, stride))
 
 
 def test_session_summary_totals_and_ratio() -> None:
@@ -71,6 +73,37 @@ def test_session_summary_totals_and_ratio() -> None:
     assert abs(s["reread_ratio"] - 6000 / 3184) < 1e-9
     assert [t["computed_tokens"] for t in s["turns"]] == [1000, 1104, 1080]
     assert abs(s["session_s"] - (0.2 + 0.4 + 0.6)) < 1e-9  # the latencies, not any wall time
+
+
+def test_a_time_boxed_session_is_summed_over_the_sampled_turns_in_every_mode(
+    tmp_path: Path,
+) -> None:
+    """Mode none ran turns 0 and 2 of 3 (`SessionScenario.pace`); vllm ran all three. Every
+    figure is over turns 0 and 2, and the report says so; vllm's all-turn totals are kept."""
+    none = to_json(summarize_session(
+        [TurnResult(0, t, p, 0, p, 8, 0.1, 0.2, 0.0) for t, p in ((0, 1000), (2, 3000))],
+        {}, [0, 2], 2,
+    ))  # fmt: skip
+    vllm = _session([1000, 2000, 3000], [0, 896, 1920], sample=[0, 2], stride=2)
+    assert none["total_prompt_tokens"] == vllm["total_prompt_tokens"] == 4000
+    assert vllm["total_computed_tokens"] == 1000 + 1080  # turn 1's 1,104 is not in the sample
+    assert vllm["all_computed_tokens"] == 1000 + 1104 + 1080
+    assert vllm["last_turn_computed_tokens"] == 1080
+    assert abs(vllm["reread_ratio"] - 4000 / 2080) < 1e-9
+    doc = {
+        "scenarios": {
+            "session": {"scenario": "session", "spec": {"turns": 3, "scale": 0.1},
+                        "modes": {"none": none, "vllm": vllm}},
+            "ttft": {"scenario": "ttft", "modes": {"vllm": TTFT_4096}},
+            "capacity": {"scenario": "capacity", "modes": {}},
+        }
+    }  # fmt: skip
+    report.write_report(doc, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "mode none ran one turn in 2 (2 of 3: turns 0, 2;" in md
+    assert "vllm computed 3,184 of 6,000 prompt tokens (1.9x)" in md
+    assert "| total prompt tokens (2 turns) | >2M | 4,000 | 4,000 |" in md
+    assert "| S1 session: tokens computed in total (2 of 3 turns) | >2M -> ~145k | 4,000 |" in md
 
 
 def test_report_writes_tables_json_and_plots(tmp_path: Path) -> None:
@@ -87,7 +120,7 @@ def test_report_writes_tables_json_and_plots(tmp_path: Path) -> None:
     }  # fmt: skip
     paths = report.write_report(doc, tmp_path)
     md = (tmp_path / "report.md").read_text()
-    assert "| total prompt tokens (30 turns) | >2M | 6,000 | 6,000 |" in md
+    assert "| total prompt tokens (3 turns) | >2M | 6,000 | 6,000 |" in md
     assert "| prompt / computed | 14x | 1.0x | 1.9x |" in md
     assert "| 4,096 | vllm | 0.500 s | 0.050 s | 10.0x |" in md
     pngs = [p for p in paths if p.suffix == ".png"]

@@ -58,15 +58,20 @@ def sample_error(work: Sequence[Sequence[float]], sample: Sequence[int]) -> floa
     return worst
 
 
-def balanced_turns(work: Sequence[Sequence[float]], stride: int) -> list[int]:
+def balanced_turns(
+    work: Sequence[Sequence[float]], stride: int, keep_last: bool = False
+) -> list[int]:
     """One turn from each run of ``stride`` consecutive turns, chosen so that the sample's
     mean of every measure in ``work`` (one row per turn) is as close to the session's as a
-    change of one turn at a time gets it, starting from `grid_turns`. Deterministic: the
-    same work gives the same turns."""
+    change of one turn at a time gets it, starting from `grid_turns`; with ``keep_last``,
+    the last run's pick is the session's last turn (S1 reports it) and the others balance
+    around it. Deterministic: the same work gives the same turns."""
     n = len(work)
     if stride <= 1 or n == 0:
         return list(range(n))
     strata = [list(range(s, min(s + stride, n))) for s in range(0, n, stride)]
+    if keep_last:
+        strata[-1] = [n - 1]
     centre = (stride - 1) // 2
     pick = [st[min(centre, len(st) - 1)] for st in strata]
     best = sample_error(work, pick)

@@ -3,13 +3,14 @@
 `run_modes` runs the scenarios in each mode, every one through `deployment`; scenarios whose
 `Needs` agree share one deployment per mode, in the order given, and with `Setup.together` the
 modes' deployments of a group are up at once and take turns (`kvkeep.bench.turns`).
-`bench all` runs S1 (session), S2 (TTFT), S6 (head-of-line), S3 (capacity), S5 (agents) and
+`bench all` runs S2 (TTFT), S1 (session), S6 (head-of-line), S3 (capacity), S5 (agents) and
 S4 (restart) on a device pool small enough that the capacity documents and the agents'
 working set exceed it, then S7 (real Claude Code sessions) on a pool of its own that their
 working set exceeds at least 3x.
-`--quick` is the demo's size (modes taking turns: 10-13 minutes on 2 cores with AMX, 30 on 2
-cores of an AVX2-only EPYC; each scenario's measured seconds with AMX are beside its sizes,
-`InSuite.quick_s`); the default size takes longer.
+`--quick` is the demo's size (modes taking turns: 10-13 minutes on 2 cores with AMX; each
+scenario's measured seconds with AMX are beside its sizes, `InSuite.quick_s`). S2 runs first
+and measures the machine's prefill: on a slower machine the baselines after it run fewer
+units, the same in every mode (`kvkeep.bench.pace`). The default size takes longer.
 """
 
 from __future__ import annotations
