@@ -46,7 +46,9 @@ def test_bench_all_s_document_records_its_size_and_the_session_s_spec() -> None:
     results = {"session": {"vllm": {"r": 1}}, "hol@vllm-defaults": {"vllm": {"r": 2}}}
     doc = cli._document("all", results, args)
     assert doc["scenarios"]["session"] == {
-        "scenario": "session", "modes": {"vllm": {"r": 1}}, "spec": {"turns": 30, "scale": 0.1}
+        "scenario": "session",
+        "modes": {"vllm": {"r": 1}},
+        "spec": {"turns": 30, "scale": 0.1, "max_output_tokens": 4},
     }  # fmt: skip
     assert doc["scenarios"]["hol"]["modes"] == {"vllm@vllm-defaults": {"r": 2}}
     assert doc["setup"]["size"] == "quick" and doc["setup"]["num_blocks"] == 128

@@ -24,10 +24,11 @@ from collections.abc import Callable, Iterator, Sequence
 
 from kvkeep.bench.quiet import wait_for_quiet
 
-# 4 s, not 2: on an AVX2-only CPU a request of S1 or S2 takes 1-3 s, so with 2 s nearly every
-# request changed turns and waited for a quiet machine; the waits came to 215 s of a 32-minute
-# demo there. Modes still alternate seconds apart.
-QUANTUM_S = 4.0
+# 6 s, not 2: on an AVX2-only CPU a request of S1 or S2 takes 1-3 s, so with 2 s nearly every
+# request changed turns and waited for a quiet machine (1.3 s or more each); the waits came to
+# 215 s of a 32-minute demo there, and still 73 s of a 14-minute one at 4 s. Modes still
+# alternate seconds apart, well within the drift of the machine's speed.
+QUANTUM_S = 6.0
 
 
 def settle() -> None:

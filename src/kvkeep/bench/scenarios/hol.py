@@ -42,8 +42,9 @@ from kvkeep.traffic.workload import random_ids
 REPEATS = 15
 # `make demo` on a slower machine time-boxes the tries (`kvkeep.bench.pace`): on an AVX2-only
 # EPYC the 8k prefill takes 2.8 s, not 0.6, and 15 tries in three modes took 403 s of its 32
-# minutes. Five is the fewest whose median a single slow sample cannot move.
-LEAST_REPEATS = 5
+# minutes. Four: the median of four (the mean of the middle two) a single slow sample moves
+# by half a gap at most; five tries still took 107 s of a 16-minute demo there.
+LEAST_REPEATS = 4
 
 
 @dataclass(frozen=True)
