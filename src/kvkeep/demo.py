@@ -5,8 +5,9 @@ experiments of the study (session, TTFT, capacity, restarts, agents, head-of-lin
 cache, vLLM's prefix cache and kvkeep, side by side. It prints the table of the study's claims
 and says where the report and plots are, and how long the run took. Nothing is downloaded;
 on a fresh clone on 2 cores with AMX `time make demo` took 11-14 min, set-up included (12 min
-31 s on 2026-12-07), and 32 min on 2 cores of an AVX2-only AMD EPYC (the model in float32,
-`kvkeep model tiny --dtype auto`); the report's last table says where each scenario's time
+31 s on 2026-12-07), and on 2 cores of an AVX2-only AMD EPYC 14 min 22 s (the model in
+float32, `kvkeep model tiny --dtype auto`; the baselines time-boxed to the machine's pace,
+`kvkeep.bench.pace`; 32 min before). The report's last table says where each scenario's time
 went.
 """
 

@@ -7,8 +7,9 @@ modes' deployments of a group are up at once and take turns (`kvkeep.bench.turns
 S4 (restart) on a device pool small enough that the capacity documents and the agents'
 working set exceed it, then S7 (real Claude Code sessions) on a pool of its own that their
 working set exceeds at least 3x.
-`--quick` is the demo's size (modes taking turns: 10-13 minutes on 2 cores with AMX; each
-scenario's measured seconds with AMX are beside its sizes, `InSuite.quick_s`). S2 runs first
+`--quick` is the demo's size (modes taking turns: 10-13 minutes on 2 cores with AMX, 13 on 2
+cores of an AVX2-only EPYC with the time boxes; each scenario's measured seconds with AMX are
+beside its sizes, `InSuite.quick_s`). S2 runs first
 and measures the machine's prefill: on a slower machine the baselines after it run fewer
 units, the same in every mode (`kvkeep.bench.pace`). The default size takes longer.
 """
@@ -442,7 +443,7 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="the demo's size (10-13 min on 2 cores with AMX, 30 on an AVX2-only EPYC)",
+        help="the demo's size (10-13 min on 2 cores with AMX, 13 on an AVX2-only EPYC)",
     )
     p.add_argument(
         "--no-time-box",
