@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvkeep.server.address import check_socket_path, default_socket_path
 from kvkeep.units import parse_size
 
 DEFAULT_DIR = Path.home() / ".cache" / "kvkeep"
@@ -37,10 +38,12 @@ class CacheServerConfig:
     def __post_init__(self) -> None:
         parse_size(self.ram)  # raises ValueError naming the bad size
         parse_size(self.disk)
+        if self.socket is not None:
+            check_socket_path(self.socket)
 
     @property
     def socket_path(self) -> str:
-        return self.socket or str(self.directory / "kvkeep.sock")
+        return self.socket or default_socket_path(self.directory)
 
     def command(self) -> list[str]:
         """The argv that runs this server in the foreground. Pure."""

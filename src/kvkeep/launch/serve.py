@@ -175,7 +175,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="cache server state directory")
     ap.add_argument("--ram", default="4GiB", help="RAM tier size (default 4GiB)")
     ap.add_argument("--disk", default="0", help="disk tier size, e.g. 200GiB (default: off)")
-    ap.add_argument("--socket", help="cache server socket (default DIR/kvkeep.sock)")
+    ap.add_argument(
+        "--socket",
+        help="cache server socket (default DIR/kvkeep.sock, or a short path derived from DIR "
+        "where that is too long for a unix socket)",
+    )
     ap.add_argument(
         "--remote",
         metavar="URL",

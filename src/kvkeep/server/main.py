@@ -35,7 +35,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dir", required=True, help="state directory (disk tier, socket, lock)")
     ap.add_argument("--ram", type=_size, required=True, help="RAM tier size, e.g. 8GiB")
     ap.add_argument("--disk", type=_size, default=0, help="disk tier size, e.g. 500GB (0: off)")
-    ap.add_argument("--socket", help="unix socket path (default DIR/kvkeep.sock)")
+    ap.add_argument(
+        "--socket",
+        help="unix socket path (default DIR/kvkeep.sock; where that is too long for a "
+        "unix socket, kvkeep-<digest of DIR>.sock in the temporary directory)",
+    )
     ap.add_argument("--listen", type=_host_port, help="also accept TCP on HOST:PORT")
     ap.add_argument("--token-file", help="file holding the token TCP clients must present")
     ap.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")

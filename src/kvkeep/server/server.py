@@ -31,6 +31,7 @@ from typing import Any
 
 from kvkeep.host.background import give_way, start_thread
 from kvkeep.server import protocol as p
+from kvkeep.server.address import check_socket_path, default_socket_path
 from kvkeep.server.namespaces import NamespaceRegistry
 from kvkeep.store.base import NullTier, StoreKey, Tier
 from kvkeep.store.disk import DiskConfig, DiskTier
@@ -52,7 +53,7 @@ class ServerConfig:
     directory: str
     ram_bytes: int
     disk_bytes: int
-    socket_path: str | None = None  # default: DIRECTORY/kvkeep.sock
+    socket_path: str | None = None  # default: DIRECTORY/kvkeep.sock (`default_socket_path`)
     listen: tuple[str, int] | None = None
     token: bytes | None = None
     extent_bytes: int = 64 << 20
@@ -63,10 +64,12 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.listen is not None and not self.token:
             raise ValueError("--listen needs --token-file: TCP connections must authenticate")
+        if self.socket_path is not None:
+            check_socket_path(self.socket_path)
 
     @property
     def effective_socket_path(self) -> str:
-        return self.socket_path or str(Path(self.directory) / "kvkeep.sock")
+        return self.socket_path or default_socket_path(self.directory)
 
 
 @dataclass(frozen=True)
