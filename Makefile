@@ -66,8 +66,15 @@ redis:
 TEST_MODELS := KVKEEP_TINY_MODEL=$(abspath $(MODEL)) KVKEEP_TINY_GEMMA3=$(abspath $(GEMMA3)) \
 	KVKEEP_TINY_MLA=$(abspath $(MLA)) KVKEEP_TINY_QWEN3_NEXT=$(abspath $(GDN))
 
+# Two pytest-xdist workers, one per core: much of the run waits on vLLM starts, and each
+# worker's engines compute on a core of their own (tests/conftest.py), so the tests take about
+# three quarters of one worker's time. A module's tests stay in one worker, end-to-end modules
+# first. The few tests that read the whole machine's CPU time run alone afterwards.
+XDIST := -n 2 --dist loadfile --no-loadscope-reorder
+
 test: setup model lint redis
-	$(TEST_MODELS) $(VENV)/bin/pytest -q
+	$(TEST_MODELS) $(VENV)/bin/pytest -q $(XDIST) -m "not whole_machine"
+	$(TEST_MODELS) $(VENV)/bin/pytest -q -m whole_machine
 
 unit: setup model redis
 	$(TEST_MODELS) $(VENV)/bin/pytest -q -m "not e2e"

@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
+
 from kvkeep.bench.quiet import cpu_times, wait_for_quiet
 
 SPIN = (
@@ -32,6 +34,8 @@ def spinning(seconds: float) -> Iterator[list[subprocess.Popen[bytes]]]:
             p.wait()
 
 
+# The machine must be quiet once the spinners end: not beside another pytest-xdist worker.
+@pytest.mark.whole_machine
 def test_it_waits_for_busy_cores_to_go_idle() -> None:
     with spinning(1.5):
         time.sleep(0.2)  # they are running
@@ -41,6 +45,7 @@ def test_it_waits_for_busy_cores_to_go_idle() -> None:
     assert quiet and waited < 20.0
 
 
+@pytest.mark.whole_machine
 def test_it_gives_up_after_the_timeout_and_says_so() -> None:
     with spinning(60.0):
         time.sleep(0.2)
