@@ -7,8 +7,8 @@ and says where the report and plots are, and how long the run took. Nothing is d
 on a fresh clone on 2 cores with AMX `time make demo` took 11-14 min, set-up included (12 min
 31 s on 2026-12-07), and on 2 cores of an AVX2-only AMD EPYC 14 min 22 s (the model in
 float32, `kvkeep model tiny --dtype auto`; the baselines time-boxed to the machine's pace,
-`kvkeep.bench.pace`; 32 min before). The report's last table says where each scenario's time
-went.
+`kvkeep.bench.pace`; 32 min before); on 2 cores of an AMD EPYC with AVX-512 and no AMX 11 min
+55 s (20 min before). The report's last table says where each scenario's time went.
 """
 
 from __future__ import annotations
