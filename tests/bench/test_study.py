@@ -171,6 +171,17 @@ def test_restart_figures_take_the_worse_of_the_two_server_restarts() -> None:
     assert no_cache.after_server_restart_hit_rate is None
 
 
+def test_restart_ttfts_are_medians_so_one_slow_request_does_not_move_them() -> None:
+    slow_first = Queried(HitRates(0.0), 0.7, [0.9, 0.6, 0.6], 3072)  # a mean of 0.7
+    phases = {"warmup": slow_first, "warm": _phase(1.0, 0.05)}
+    phases["after_engine_restart"] = Requeried(
+        HitRates(1.0), 0.02, [0.02, 0.02, 0.2], 1024, 0.1, None, 0.04
+    )
+    result = summarize(25.0, [27.0], phases)
+    assert result.cold_ttft_s == 0.6
+    assert result.after_engine_restart_ttft_s == 0.02
+
+
 def test_mean_rates_weigh_each_measurement_by_its_cacheable_tokens() -> None:
     a = HitRates(1.0, 0.0, 1.0, {"ram_hit_rate": 1.0})
     b = HitRates(0.5, 0.5, 0.0)
